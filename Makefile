@@ -1,0 +1,37 @@
+# `make run` and `make test` set everything up on first use: a .venv, torch pinned to the CPU build
+# (installed before the project so nothing pulls a CUDA build), then pdserve with its dev extras.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install run test test-fast bench model clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+model: install
+	$(BIN)/pdserve model pull
+
+run: install
+	$(BIN)/pdserve generate --chat --stats "What is the capital of France? Answer in one sentence."
+
+test: install model
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: install model
+	$(BIN)/python benchmarks/bench_model.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,123 @@
+"""`pdserve` — the command line.
+
+    pdserve model pull                    fetch the default model into the cache
+    pdserve generate "prompt" [--chat]    stream the model's answer to the terminal
+
+Environment variables are read here, once, and passed on as plain values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+log = logging.getLogger("pdserve")
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=os.environ.get("PDSERVE_MODEL"),
+                   help="GGUF file or Hugging Face model directory (default: SmolLM2-135M-Instruct, pulled on demand)")
+    p.add_argument("--dtype", default=os.environ.get("PDSERVE_DTYPE", "float32"), help="float32 | bfloat16")
+    p.add_argument("--device", default=os.environ.get("PDSERVE_DEVICE", "cpu"))
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--num-kv-blocks", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from shared.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
+        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=not args.no_chunked_prefill, enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def cmd_model_pull(args: argparse.Namespace) -> int:
+    from shared.model.hub import pull_default_model
+
+    print(pull_default_model(force=args.force))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from shared.engine.engine import LLMEngine
+    from shared.model.chat_template import render_chat
+    from shared.model.sampling import SamplingParams
+
+    engine = LLMEngine.from_config(engine_config_from_args(args))
+    tok = engine.tokenizer
+    if args.chat:
+        text = render_chat(tok.chat_template, [{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        prompt_ids = tok.encode(text, add_special_tokens=False)
+    else:
+        prompt_ids = tok.encode(args.prompt)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=args.stop or [])
+    engine.add_request("cli", prompt_ids, params)
+    start = time.perf_counter()
+    first = None
+    n = 0
+    out = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            first = first or time.perf_counter()
+            n += len(out.new_token_ids)
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    end = time.perf_counter()
+    if args.stats and first is not None:
+        tpot = (end - first) / max(1, n - 1)
+        print(f"[{len(prompt_ids)} prompt tokens, {n} generated, finish={out.finish_reason}; "
+              f"TTFT {1000 * (first - start):.0f} ms, {1 / tpot if n > 1 else 0:.1f} tok/s decode]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="LLM serving with prefill and decode disaggregated")
+    parser.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "WARNING"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="manage model files").add_subparsers(dest="model_command", required=True)
+    pull = model.add_parser("pull", help="fetch the default model (SmolLM2-135M-Instruct) into the cache")
+    pull.add_argument("--force", action="store_true")
+    pull.set_defaults(func=cmd_model_pull)
+
+    gen = sub.add_parser("generate", help="stream the model's answer to a prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--stats", action="store_true", help="print TTFT and decode speed to stderr")
+    _add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:  # bad input: a clear message, not a traceback
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

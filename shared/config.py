@@ -1,0 +1,47 @@
+"""Validated configuration dataclasses. Environment variables are read once, at start-up, by the
+CLI; everything below receives plain values through its constructor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(sorted(_DTYPES))}") from None
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # path, or None for the default model
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16  # tokens per KV block (DESIGN.md contract)
+    num_kv_blocks: int = 2048  # SmolLM2-135M fp32: 720 KiB a block → 1.4 GiB, 32k tokens
+    max_num_seqs: int = 64  # running sequences per step
+    max_num_batched_tokens: int = 512  # tokens per forward pass (the chunked-prefill budget)
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # None: the checkpoint's context length
+    num_threads: int | None = None  # torch intra-op threads (None: torch's default)
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"engine config: {name} must be positive, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"engine config: max_model_len must be positive, got {self.max_model_len}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)

@@ -1,0 +1,73 @@
+"""One request's state inside an engine: its tokens, its blocks, how far its KV is computed."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.kvcache.block_hash import BlockKey
+from shared.model.sampling import SamplingParams, make_generator
+
+
+class SequenceStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # cancelled by the caller
+    PREFILLED = "prefilled"  # prefill-only role: first token sampled, blocks handed back
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    block_table: list[int] = field(default_factory=list)
+    block_keys: list[BlockKey] = field(default_factory=list)  # keys of the full blocks computed so far
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at admission
+    num_preemptions: int = 0
+    prefill_only: bool = False  # role: stop after the first token and keep the blocks for export
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+    text: str = ""  # detokenized output so far (engines with a tokenizer fill it in)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError(f"request {self.request_id}: empty prompt")
+        if self.generator is None:
+            self.generator = make_generator(self.params)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens whose KV still has to be computed (1 for a decoding sequence)."""
+        return self.num_tokens - self.num_computed_tokens

@@ -1,0 +1,42 @@
+"""The paged KV cache tensor of one engine.
+
+Layout `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`: block-major, so one block
+of every layer (the unit the kvstore keeps and ships) is a single contiguous run of bytes, and
+export/import of a block is one memcpy. Attention sees per-layer views `kv[:, layer, 0|1]`, which
+are strided along the block dim; the kernels take strides, so no copy is made.
+
+This block layout (in the cache dtype) is the KV block format of DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.model.config import ModelConfig
+
+BLOCK_SIZE = 16  # tokens per KV block (DESIGN.md contract)
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = BLOCK_SIZE,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        if num_blocks <= 0:
+            raise ValueError(f"KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.data = torch.zeros(
+            num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
+        )
+        # per-layer (k_cache, v_cache) views, each [num_blocks, block_size, Hkv, Dh]
+        self.layers = [(self.data[:, layer, 0], self.data[:, layer, 1]) for layer in range(cfg.num_layers)]
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int = BLOCK_SIZE, dtype: torch.dtype = torch.float32) -> int:
+        return cfg.kv_values_per_token * block_size * torch.tensor([], dtype=dtype).element_size()
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Copy blocks out: [n, L, 2, bs, Hkv, Dh] (contiguous)."""
+        return self.data[block_ids].clone()
+
+    def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Copy whole blocks in (the import half of a KV transfer)."""
+        self.data[block_ids] = blocks.to(self.data.dtype)

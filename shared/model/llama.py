@@ -1,0 +1,193 @@
+"""The Llama architecture over a paged KV cache, in plain torch.
+
+One forward pass takes a flat batch of T tokens (prefill chunks and decode tokens of many sequences
+mixed, see attention.py) and returns their hidden states; `compute_logits` projects only the rows
+that need sampling. Shapes: T tokens, D hidden, Hq/Hkv heads, Dh head dim, F SwiGLU width.
+
+Projections are fused at load (q|k|v into one matrix, gate|up into another) so a layer is four
+matmuls, not seven: on this small model the per-op overhead matters as much as the FLOPs.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.kernels import paged_attention, write_kv_cache
+from shared.model.attention import AttentionMetadata
+from shared.model.config import ModelConfig
+from shared.model.loader import ModelLoadError, open_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with a precomputed cos/sin table; theta comes from the checkpoint."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)  # [P, Dh/2]
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [T, H, Dh]; positions: [T]
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, Dh/2]
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x, positions, rope: RotaryEmbedding, attn: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]):
+        # x: [T, D]
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rope(q.view(T, self.num_heads, self.head_dim), positions)  # [T, Hq, Dh]
+        k = rope(k.view(T, self.num_kv_heads, self.head_dim), positions)  # [T, Hkv, Dh]
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv
+        write_kv_cache(k, v, k_cache, v_cache, attn.slot_mapping)
+        o = paged_attention(
+            q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, self.scale,
+            max_query_len=attn.max_query_len, max_seq_len=attn.max_seq_len,
+        )  # [T, Hq, Dh]
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, F] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rope, attn, kv):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_model_len, cfg.rope_theta)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        # input_ids, positions: [T] → hidden states [T, D]
+        x = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rope, attn, kv)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, D] → logits [N, V] in fp32 (sampling wants full precision)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ------------------------------------------------------------------------------ weight loading
+
+    _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+    _FUSED = {  # HF name suffix → (our fused parameter, which slice)
+        "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0),
+        "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", 1),
+        "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", 2),
+        "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
+        "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
+    }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be filled."""
+        params = dict(self.named_parameters())
+        filled: set[str] = set()
+        cfg = self.config
+        qkv_sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+        for hf_name, tensor in weights:
+            m = self._LAYER.fullmatch(hf_name)
+            if m and m.group(2) in self._FUSED:
+                target, part = self._FUSED[m.group(2)]
+                name = f"layers.{m.group(1)}.{target}"
+                sizes = qkv_sizes if "qkv" in target else [cfg.intermediate_size] * 2
+                offset = sum(sizes[:part])
+                self._copy(params, name, tensor, rows=slice(offset, offset + sizes[part]))
+                filled.add(f"{name}#{part}")
+                continue
+            name = hf_name.removeprefix("model.")
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied checkpoints sometimes store it anyway
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            self._copy(params, name, tensor)
+            filled.add(name)
+        expected = set()
+        for name in params:
+            if name.endswith("qkv_proj.weight"):
+                expected |= {f"{name}#{i}" for i in range(3)}
+            elif name.endswith("gate_up_proj.weight"):
+                expected |= {f"{name}#{i}" for i in range(2)}
+            else:
+                expected.add(name)
+        missing = sorted(expected - filled)
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    @staticmethod
+    def _copy(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, rows: slice | None = None) -> None:
+        if name not in params:
+            raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the Llama model")
+        dst = params[name].data if rows is None else params[name].data[rows]
+        if dst.shape != tensor.shape:
+            raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(tensor)
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LlamaModel:
+    """Build a LlamaModel from a GGUF file or HF directory, with weights in `dtype` on `device`."""
+    ckpt = open_checkpoint(path)
+    with torch.device("meta"):
+        model = LlamaModel(ckpt.config)
+    model = model.to_empty(device="cpu")
+    # the rotary table is a non-persistent buffer: to_empty left it uninitialised, rebuild it
+    model.rope = RotaryEmbedding(ckpt.config.head_dim, ckpt.config.max_model_len, ckpt.config.rope_theta)
+    model.load_weights(ckpt.tensors())
+    model = model.to(device=device, dtype=dtype)
+    model.rope.float()  # the table stays fp32; it is cast per use
+    model.eval()
+    log.info("loaded %s (%s, %s) as %s on %s", ckpt.config.name, ckpt.format, path, dtype, device)
+    return model
