@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from shared.model.config import ModelConfig
+from shared.model.gguf_file import GGUFError, GGUFFile
 from shared.model.hub import ModelNotFoundError
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -39,10 +40,11 @@ class Checkpoint:
     path: Path
     format: str  # "gguf" | "safetensors"
     config: ModelConfig
+    gguf: GGUFFile | None = None  # the parsed file, for GGUF checkpoints
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if self.format == "gguf":
-            return _gguf_tensors(self.path, self.config)
+        if self.gguf is not None:
+            return _gguf_tensors(self.gguf, self.config)
         return _safetensors_tensors(self.path)
 
 
@@ -55,7 +57,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         return Checkpoint(path, "safetensors", _hf_config(path))
     if path.suffix != ".gguf" and not _has_gguf_magic(path):
         raise ModelLoadError(f"{path}: not a GGUF file (no GGUF magic) and not a model directory")
-    return Checkpoint(path, "gguf", _gguf_config(path))
+    gguf = _open_gguf(path)
+    return Checkpoint(path, "gguf", _gguf_config(gguf), gguf)
 
 
 # --------------------------------------------------------------------------------------------- GGUF
@@ -66,59 +69,45 @@ def _has_gguf_magic(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def gguf_reader(path: Path):
-    """Open a GGUF file, turning the reader's many failure modes into one clear error."""
-    from gguf import GGUFReader
-
-    if not _has_gguf_magic(path):
-        raise ModelLoadError(f"{path}: not a GGUF file (bad magic bytes)")
+def _open_gguf(path: Path) -> GGUFFile:
     try:
-        return GGUFReader(str(path))
-    except Exception as exc:  # the reader raises ValueError/IndexError/struct errors on bad files
-        raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({type(exc).__name__}: {exc})") from exc
+        return GGUFFile(path)
+    except GGUFError as exc:
+        raise ModelLoadError(str(exc)) from exc
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
-def _gguf_config(path: Path) -> ModelConfig:
-    reader = gguf_reader(path)
-    arch = _field(reader, "general.architecture")
+def _gguf_config(gguf: GGUFFile) -> ModelConfig:
+    path, meta = gguf.path, gguf.metadata
+    arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: unsupported architecture {arch!r}; pdserve loads {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
 
     def need(key: str):
-        value = _field(reader, f"{arch}.{key}")
+        value = meta.get(f"{arch}.{key}")
         if value is None:
             raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
         return value
 
     hidden = int(need("embedding_length"))
     heads = int(need("attention.head_count"))
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens else None)
-    if vocab is None:
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+    if not vocab:
         raise ModelLoadError(f"{path}: GGUF metadata gives no vocabulary size")
-    names = {t.name for t in reader.tensors}
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
         num_layers=int(need("block_count")),
         num_heads=heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(meta.get(f"{arch}.rope.dimension_count", hidden // heads)),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         max_model_len=int(need("context_length")),
-        tie_word_embeddings="output.weight" not in names,
-        name=str(_field(reader, "general.name", path.stem)),
+        tie_word_embeddings="output.weight" not in gguf.tensors,
+        name=str(meta.get("general.name", path.stem)),
     )
 
 
@@ -155,23 +144,21 @@ def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    from gguf.quants import dequantize
-
-    reader = gguf_reader(path)
-    for t in reader.tensors:
-        hf_name = _gguf_name_to_hf(t.name)
+def _gguf_tensors(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    path = gguf.path
+    for name, info in gguf.tensors.items():
+        hf_name = _gguf_name_to_hf(name)
         if hf_name is None:
             continue
         try:
-            w = dequantize(t.data, t.tensor_type)
+            w = gguf.dequantize(name)
         except Exception as exc:
-            raise ModelLoadError(f"{path}: cannot dequantize {t.name} ({t.tensor_type.name}): {exc}") from exc
+            raise ModelLoadError(f"{path}: cannot dequantize {name} (ggml type {info.ggml_type}): {exc}") from exc
         if hf_name.endswith("q_proj.weight"):
             w = unpermute_rotary_rows(w, config.num_heads)
         elif hf_name.endswith("k_proj.weight"):
             w = unpermute_rotary_rows(w, config.num_kv_heads)
-        yield hf_name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy, off the mmap
+        yield hf_name, torch.from_numpy(np.ascontiguousarray(w))
 
 
 # ------------------------------------------------------------------------------------- safetensors

@@ -169,3 +169,18 @@ def test_hf_dir_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     with pytest.raises(ModelLoadError, match="unsupported architecture"):
         open_checkpoint(tmp_path)
+
+
+def test_own_gguf_reader_matches_gguf_package(default_gguf):
+    """Our mmap reader (fast metadata, tensor index) against the reference `gguf.GGUFReader`."""
+    from gguf.quants import dequantize
+
+    from shared.model.gguf_file import GGUFFile
+
+    ours = GGUFFile(default_gguf)
+    ref = gguf.GGUFReader(str(default_gguf))
+    assert ours.metadata["llama.block_count"] == ref.fields["llama.block_count"].contents()
+    assert ours.metadata["tokenizer.ggml.merges"] == ref.fields["tokenizer.ggml.merges"].contents()
+    assert set(ours.tensors) == {t.name for t in ref.tensors}
+    for t in ref.tensors[:12] + ref.tensors[-3:]:  # every tensor kind present: Q8_0, Q4_1, F32
+        np.testing.assert_array_equal(ours.dequantize(t.name), dequantize(t.data, t.tensor_type), err_msg=t.name)
