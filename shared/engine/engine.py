@@ -37,6 +37,15 @@ class RequestError(ValueError):
 
 
 @dataclass
+class EngineStats:
+    """Counters since start (the services export them as metrics)."""
+
+    steps: int = 0
+    tokens_computed: int = 0  # tokens run through the model (prefill chunks + decode tokens)
+    preemptions: int = 0
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     new_token_ids: list[int]
@@ -67,6 +76,7 @@ class LLMEngine:
         eos = tokenizer.stop_token_ids if tokenizer is not None else set()
         self.stop_checker = StopChecker(set(eos), self.max_model_len)
         self.seqs: dict[str, Sequence] = {}
+        self.stats = EngineStats()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._sent: dict[str, int] = {}  # characters of text already returned
 
@@ -152,10 +162,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------ step
 
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        self.stats.preemptions += len(sched.preempted)
         if not sched.scheduled:
             return []
+        self.stats.steps += 1
+        self.stats.tokens_computed += sched.num_batched_tokens
         logits = self.runner.execute([self._chunk(s.seq, s.num_new_tokens, s.completes_prompt) for s in sched.scheduled])
         sampled = [s.seq for s in sched.scheduled if s.completes_prompt]
         tokens = self._sample(logits, sampled)

@@ -1,0 +1,129 @@
+"""Model-level benchmark: prefill and decode speed of the engine on the real model, with the memory
+bandwidth of this machine measured in the same run so decode MBU can be stated.
+
+    .venv/bin/python benchmarks/bench_model.py [--dtype float32|bfloat16] [--repeats 3] [--json out.json]
+
+Prints a markdown table. Absolute numbers drift on shared machines: compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+
+import torch
+
+from shared.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from shared.model.sampling import SamplingParams
+
+
+def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Read bandwidth in GB/s: the best of a few full reductions over a large fp32 array."""
+    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    x.sum()  # fault the pages in
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def random_prompt(n: int, seed: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab, (n,), generator=g).tolist()
+
+
+def bench_prefill(engine: LLMEngine, n_tokens: int, repeats: int) -> float:
+    """Seconds to prefill an `n_tokens` prompt from cold (prefix cache reset each time)."""
+    times = []
+    for r in range(repeats):
+        engine.pool.reset_prefix_cache()
+        engine.add_request(f"prefill-{r}", random_prompt(n_tokens, r, engine.model.config.vocab_size),
+                           SamplingParams(temperature=0.0, max_tokens=1))
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_decode(engine: LLMEngine, batch: int, context: int, steps: int) -> float:
+    """Seconds per decode step for `batch` sequences at ~`context` tokens of context."""
+    params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)  # aborted after timing
+    for i in range(batch):
+        engine.add_request(f"dec-{batch}-{i}", random_prompt(context, 1000 + i, engine.model.config.vocab_size), params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running + list(engine.scheduler.waiting)):
+        engine.step()  # prefill everything first
+    engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        outs = engine.step()
+        assert len(outs) == batch, "every sequence decodes one token per step"
+    dt = (time.perf_counter() - t0) / steps
+    for i in range(batch):
+        engine.abort(f"dec-{batch}-{i}")
+    return dt
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--prefill-tokens", type=int, default=2000)
+    ap.add_argument("--context", type=int, default=500)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    cfg = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads, num_kv_blocks=1536,
+                       max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False)
+    engine = LLMEngine.from_config(cfg)
+    mcfg = engine.model.config
+    params = sum(p.numel() for p in engine.model.parameters())
+    elem = torch.tensor([], dtype=cfg.torch_dtype).element_size()
+    weight_bytes = params * elem
+    kv_bytes_per_token = mcfg.kv_values_per_token * elem
+    bw = measure_bandwidth()
+
+    results = {"dtype": args.dtype, "threads": torch.get_num_threads(), "params": params,
+               "bandwidth_GBps": bw, "decode": {}}
+    prefill_s = bench_prefill(engine, args.prefill_tokens, args.repeats)
+    results["prefill_tok_s"] = args.prefill_tokens / prefill_s
+    for b in (int(x) for x in args.batches.split(",")):
+        per_step = statistics.median(bench_decode(engine, b, args.context, args.steps) for _ in range(args.repeats))
+        step_bytes = weight_bytes + b * (args.context + args.steps / 2) * kv_bytes_per_token
+        results["decode"][b] = {
+            "step_ms": per_step * 1e3,
+            "tok_s": b / per_step,
+            "mbu": step_bytes / per_step / (bw * 1e9),
+        }
+    engine.pool.check_invariants()
+    results["peak_rss_MiB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    print(f"# pdserve engine, {mcfg.name}, {args.dtype}, {results['threads']} threads, torch {torch.__version__}")
+    print(f"memory read bandwidth (1 GiB fp32 sum, best of 5): {bw:.1f} GB/s")
+    print(f"weights read per decode step: {weight_bytes / 1e6:.0f} MB; KV per token {kv_bytes_per_token / 1e3:.1f} KB\n")
+    print("| measure | value |\n|---|---|")
+    print(f"| prefill, {args.prefill_tokens}-token prompt | {results['prefill_tok_s']:.0f} tok/s "
+          f"({prefill_s * 1e3:.0f} ms) |")
+    for b, r in results["decode"].items():
+        print(f"| decode, batch {b}, context ~{args.context} | {r['tok_s']:.1f} tok/s "
+              f"({r['step_ms']:.1f} ms/step, MBU {100 * r['mbu']:.0f}%) |")
+    print(f"| peak RSS | {results['peak_rss_MiB']:.0f} MiB |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
