@@ -34,6 +34,18 @@ def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
+def decode_weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every parameter and buffer, except that only one row
+    per token is read from the embedding and rotary tables (so they don't count) unless the
+    embedding doubles as the output head (tied, not quantized), which reads it whole."""
+    skip = {id(model.embed_tokens.weight), id(model.rope.cos), id(model.rope.sin)}
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in skip}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    if model.lm_head is None:
+        total += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return total
+
+
 def random_prompt(n: int, seed: int, vocab: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, vocab, (n,), generator=g).tolist()
@@ -74,7 +86,8 @@ def bench_decode(engine: LLMEngine, batch: int, context: int, steps: int) -> flo
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default="int8", help="int8 | none")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--prefill-tokens", type=int, default=2000)
     ap.add_argument("--context", type=int, default=500)
@@ -84,17 +97,18 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    cfg = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads, num_kv_blocks=1536,
+    quant = None if args.quantization == "none" else args.quantization
+    cfg = EngineConfig(model=args.model, dtype=args.dtype, quantization=quant, num_threads=args.threads, num_kv_blocks=1536,
                        max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False)
     engine = LLMEngine.from_config(cfg)
     mcfg = engine.model.config
     params = sum(p.numel() for p in engine.model.parameters())
     elem = torch.tensor([], dtype=cfg.torch_dtype).element_size()
-    weight_bytes = params * elem
+    weight_bytes = decode_weight_bytes(engine.model)
     kv_bytes_per_token = mcfg.kv_values_per_token * elem
     bw = measure_bandwidth()
 
-    results = {"dtype": args.dtype, "threads": torch.get_num_threads(), "params": params,
+    results = {"dtype": args.dtype, "quantization": args.quantization, "threads": torch.get_num_threads(), "params": params,
                "bandwidth_GBps": bw, "decode": {}}
     prefill_s = bench_prefill(engine, args.prefill_tokens, args.repeats)
     results["prefill_tok_s"] = args.prefill_tokens / prefill_s
@@ -109,7 +123,7 @@ def main() -> int:
     engine.pool.check_invariants()
     results["peak_rss_MiB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
-    print(f"# pdserve engine, {mcfg.name}, {args.dtype}, {results['threads']} threads, torch {torch.__version__}")
+    print(f"# pdserve engine, {mcfg.name}, {args.dtype} + {args.quantization} weights, {results['threads']} threads, torch {torch.__version__}")
     print(f"memory read bandwidth (1 GiB fp32 sum, best of 5): {bw:.1f} GB/s")
     print(f"weights read per decode step: {weight_bytes / 1e6:.0f} MB; KV per token {kv_bytes_per_token / 1e3:.1f} KB\n")
     print("| measure | value |\n|---|---|")

@@ -20,7 +20,9 @@ log = logging.getLogger("pdserve")
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=os.environ.get("PDSERVE_MODEL"),
                    help="GGUF file or Hugging Face model directory (default: SmolLM2-135M-Instruct, pulled on demand)")
-    p.add_argument("--dtype", default=os.environ.get("PDSERVE_DTYPE", "float32"), help="float32 | bfloat16")
+    p.add_argument("--dtype", default=os.environ.get("PDSERVE_DTYPE", "bfloat16"), help="bfloat16 | float32")
+    p.add_argument("--quantization", default=os.environ.get("PDSERVE_QUANTIZATION", "int8"),
+                   help="int8 (weight-only int8 projections, the fast CPU default) | none")
     p.add_argument("--device", default=os.environ.get("PDSERVE_DEVICE", "cpu"))
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--num-kv-blocks", type=int, default=2048)
@@ -35,6 +37,7 @@ def engine_config_from_args(args: argparse.Namespace):
 
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
+        quantization=None if args.quantization in ("none", "") else args.quantization,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=not args.no_chunked_prefill, enable_prefix_caching=not args.no_prefix_caching,

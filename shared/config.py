@@ -24,6 +24,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 class EngineConfig:
     model: str | None = None  # path, or None for the default model
     dtype: str = "float32"
+    quantization: str | None = None  # "int8": weight-only int8 projections (needs dtype bfloat16 on CPU)
     device: str = "cpu"
     block_size: int = 16  # tokens per KV block (DESIGN.md contract)
     num_kv_blocks: int = 2048  # SmolLM2-135M fp32: 720 KiB a block → 1.4 GiB, 32k tokens
@@ -36,6 +37,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"engine config: unknown quantization {self.quantization!r}; choose int8 or none")
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"engine config: {name} must be positive, got {getattr(self, name)}")

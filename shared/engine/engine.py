@@ -85,7 +85,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         path = resolve_model_path(config.model)
-        model = load_model(path, dtype=config.torch_dtype, device=config.device)
+        model = load_model(path, dtype=config.torch_dtype, device=config.device, quantization=config.quantization)
         tokenizer = Tokenizer.from_gguf(path) if Path(path).is_file() else Tokenizer.from_hf_dir(path)
         return cls(model, tokenizer, config, model_id=Path(path).name)
 

@@ -23,6 +23,7 @@ from shared.kernels import paged_attention, write_kv_cache
 from shared.model.attention import AttentionMetadata
 from shared.model.config import ModelConfig
 from shared.model.loader import ModelLoadError, open_checkpoint
+from shared.model.quant import quantize_linears_int8
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +118,9 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, D] → logits [N, V] in fp32 (sampling wants full precision)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied: the embedding matrix is the output projection
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     # ------------------------------------------------------------------------------ weight loading
 
@@ -177,8 +179,14 @@ class LlamaModel(nn.Module):
             dst.copy_(tensor)
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LlamaModel:
-    """Build a LlamaModel from a GGUF file or HF directory, with weights in `dtype` on `device`."""
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               quantization: str | None = None) -> LlamaModel:
+    """Build a LlamaModel from a GGUF file or HF directory, with weights in `dtype` on `device`.
+
+    quantization="int8": every projection (and the tied output head) becomes weight-only int8 with
+    `dtype` activations (bf16 on CPU); embeddings and norms stay in `dtype`."""
+    if quantization not in (None, "int8"):
+        raise ValueError(f"unknown quantization {quantization!r}; choose int8 or none")
     ckpt = open_checkpoint(path)
     with torch.device("meta"):
         model = LlamaModel(ckpt.config)
@@ -188,6 +196,12 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     model.load_weights(ckpt.tensors())
     model = model.to(device=device, dtype=dtype)
     model.rope.float()  # the table stays fp32; it is cast per use
+    if quantization == "int8":
+        if model.lm_head is None:
+            model.lm_head = nn.Linear(ckpt.config.hidden_size, ckpt.config.vocab_size, bias=False, device=device)
+            model.lm_head.weight = model.embed_tokens.weight
+        quantize_linears_int8(model, act_dtype=dtype)
     model.eval()
-    log.info("loaded %s (%s, %s) as %s on %s", ckpt.config.name, ckpt.format, path, dtype, device)
+    log.info("loaded %s (%s, %s) as %s%s on %s", ckpt.config.name, ckpt.format, path, dtype,
+             " + int8 weights" if quantization else "", device)
     return model

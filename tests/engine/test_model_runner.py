@@ -76,3 +76,16 @@ def test_real_model_paged_batch_matches_contiguous(default_gguf):
         ref_tokens, ref_logits = contiguous_greedy(model, prompt, 8)
         assert tokens == ref_tokens
         torch.testing.assert_close(torch.stack(logits), torch.stack(ref_logits), atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.slow
+def test_real_model_int8_paged_batch_matches_contiguous(default_gguf):
+    """The fast CPU configuration (bf16 activations, int8 weights): paging and batching change
+    nothing beyond bf16 rounding."""
+    model = load_model(default_gguf, dtype=torch.bfloat16, quantization="int8")
+    prompts = _prompts(model.config.vocab_size, [5, 37, 70], seed=11)
+    got, got_logits = paged_greedy(model, prompts, max_new=6, chunk=32)
+    for prompt, tokens, logits in zip(prompts, got, got_logits):
+        ref_tokens, ref_logits = contiguous_greedy(model, prompt, 6)
+        assert tokens == ref_tokens
+        torch.testing.assert_close(torch.stack(logits), torch.stack(ref_logits), atol=0.5, rtol=0.05)  # bf16: ~3 significant digits

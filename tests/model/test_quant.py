@@ -1,0 +1,31 @@
+"""Weight-only int8 projections."""
+
+from __future__ import annotations
+
+import torch
+
+from shared.model.quant import Int8Linear, quantize_linears_int8
+from tests.model_utils import tiny_model
+
+
+def test_int8_linear_matches_dequantized_matmul():
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(64, 48, bias=False)
+    q = Int8Linear(dense.weight)
+    assert q.qweight.dtype == torch.int8 and q.scale.shape == (48,)
+    x = torch.randn(3, 5, 64, dtype=torch.bfloat16)
+    ref = x.float() @ q.weight.float().T
+    torch.testing.assert_close(q(x).float(), ref, atol=0.05, rtol=0.02)
+    # the error against the original weights: half a quantization step, plus the bf16 rounding of
+    # the per-row scale (relative 2^-9, times at most 127 steps)
+    step = dense.weight.abs().amax(dim=1, keepdim=True) / 127
+    err = (q.weight.float() - dense.weight).abs()
+    assert (err <= step / 2 + 127 * step * 2**-9 + 1e-6).all()
+    assert err.mean() < step.mean() / 3
+
+
+def test_quantize_replaces_every_projection():
+    model = tiny_model()
+    n = quantize_linears_int8(model)
+    assert n == 4 * model.config.num_layers
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
