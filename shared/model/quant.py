@@ -26,8 +26,8 @@ class Int8Linear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """Dequantized view, for code that wants a dense matrix (e.g. tied embeddings)."""
-        return self.qweight.to(self.scale.dtype) * self.scale[:, None]
+        """The dequantized matrix in fp32 (a copy), for tests and code that wants it dense."""
+        return self.qweight.float() * self.scale.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] → [..., N]
