@@ -19,9 +19,11 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         w = weight.detach().float()  # [N, K]
-        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8))
-        self.register_buffer("scale", scale.to(act_dtype))
+        # round the scale to the activation dtype first and quantize against that rounded scale,
+        # so the error stays within half a step (a bf16 scale is off by up to 2^-8 relative)
+        scale = (w.abs().amax(dim=1).clamp(min=1e-8) / 127.0).to(act_dtype)
+        self.register_buffer("qweight", torch.round(w / scale.float()[:, None]).clamp(-128, 127).to(torch.int8))
+        self.register_buffer("scale", scale)
         self.in_features, self.out_features = w.shape[1], w.shape[0]
 
     @property
