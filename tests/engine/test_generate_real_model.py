@@ -14,7 +14,15 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def engine(default_gguf):
-    return LLMEngine.from_config(EngineConfig(model=str(default_gguf), num_kv_blocks=256, dtype="bfloat16", quantization="int8"))
+    """fp32: exact enough that batch composition never flips a token."""
+    return LLMEngine.from_config(EngineConfig(model=str(default_gguf), num_kv_blocks=256, dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def fast_engine(default_gguf):
+    """The default CPU configuration: bf16 activations, int8 weights."""
+    return LLMEngine.from_config(EngineConfig(model=str(default_gguf), num_kv_blocks=256, dtype="bfloat16",
+                                              quantization="int8"))
 
 
 def chat_ids(engine, question: str) -> list[int]:
@@ -23,7 +31,9 @@ def chat_ids(engine, question: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
-def test_capital_of_france(engine):
+@pytest.mark.parametrize("which", ["engine", "fast_engine"])
+def test_capital_of_france(which, request):
+    engine = request.getfixturevalue(which)
     [out] = engine.generate([chat_ids(engine, "What is the capital of France?")],
                             SamplingParams(temperature=0.0, max_tokens=32))
     assert "Paris" in out.text

@@ -11,9 +11,11 @@ from shared.model.llama import load_model
 from tests.model_utils import contiguous_greedy, tiny_model
 
 
-def paged_greedy(model, prompts: list[list[int]], max_new: int, chunk: int | None = None, num_blocks: int = 64):
+def paged_greedy(model, prompts: list[list[int]], max_new: int, chunk: int | None = None, num_blocks: int = 64,
+                 forced: list[list[int]] | None = None):
     """Generate for all prompts in one batch: every step runs one forward over all sequences.
-    Prompts are fed `chunk` tokens at a time (mixed with other sequences' decode tokens)."""
+    Prompts are fed `chunk` tokens at a time (mixed with other sequences' decode tokens). With
+    `forced`, those tokens are fed back instead of the argmax (teacher forcing)."""
     bs = 16
     kv = KVCache(model.config, num_blocks, bs, dtype=next(model.parameters()).dtype)
     runner = ModelRunner(model, kv)
@@ -44,7 +46,7 @@ def paged_greedy(model, prompts: list[list[int]], max_new: int, chunk: int | Non
             computed[i] += n
             if need:
                 logits_seen[i].append(logits[row])
-                tok = int(logits[row].argmax())
+                tok = int(logits[row].argmax()) if forced is None else forced[i][len(out[i])]
                 row += 1
                 out[i].append(tok)
                 tokens[i].append(tok)
@@ -81,11 +83,22 @@ def test_real_model_paged_batch_matches_contiguous(default_gguf):
 @pytest.mark.slow
 def test_real_model_int8_paged_batch_matches_contiguous(default_gguf):
     """The fast CPU configuration (bf16 activations, int8 weights): paging and batching change
-    nothing beyond bf16 rounding."""
+    nothing beyond bf16 rounding. bf16 rounding can flip near-tied greedy choices, so the paged run
+    is teacher-forced with the reference's tokens and the logits are compared at every step."""
+    from shared.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(default_gguf)
     model = load_model(default_gguf, dtype=torch.bfloat16, quantization="int8")
-    prompts = _prompts(model.config.vocab_size, [5, 37, 70], seed=11)
-    got, got_logits = paged_greedy(model, prompts, max_new=6, chunk=32)
-    for prompt, tokens, logits in zip(prompts, got, got_logits):
-        ref_tokens, ref_logits = contiguous_greedy(model, prompt, 6)
-        assert tokens == ref_tokens
-        torch.testing.assert_close(torch.stack(logits), torch.stack(ref_logits), atol=0.5, rtol=0.05)  # bf16: ~3 significant digits
+    texts = ["The quick brown fox", "In 1492, Columbus sailed across the Atlantic Ocean and reached the islands of",
+             "def fibonacci(n):\n    if n < 2:\n        return n\n    return"]
+    prompts = [tok.encode(t) for t in texts]
+    refs = [contiguous_greedy(model, p, 6) for p in prompts]
+    _, got_logits = paged_greedy(model, prompts, max_new=6, chunk=16, forced=[r[0] for r in refs])
+    for (ref_tokens, ref_logits), logits in zip(refs, got_logits):
+        got, ref = torch.stack(logits), torch.stack(ref_logits)
+        # bf16 keeps ~3 significant digits: single logits of ~±20 move by up to ~0.7, so compare
+        # what sampling sees, the probabilities
+        torch.testing.assert_close(got.softmax(-1), ref.softmax(-1), atol=0.05, rtol=0)
+        top2 = ref.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 1.0  # where the choice is not a near-tie, it must agree
+        assert (got.argmax(-1) == ref.argmax(-1))[clear].all()

