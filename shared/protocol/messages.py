@@ -152,6 +152,7 @@ class KVLookupReply(Msg, kw_only=True):
 class KVAllocate(Msg, kw_only=True):
     num_blocks: int
     lease_ttl_s: float = 30.0
+    lease_id: str = ""  # extend this lease (e.g. the one a lookup returned) instead of a new one
 
 
 class KVAllocateReply(Msg, kw_only=True):
@@ -185,6 +186,15 @@ class KVReadChunk(Msg, kw_only=True):
     last: bool = False
     error_code: ErrorCode = ErrorCode.OK
     error: str = ""
+
+
+class KVWriteChunk(Msg, kw_only=True):
+    """Network data path, writer side: part of a slot's bytes (request; answered with KVReply)."""
+
+    lease_id: str
+    slot: int
+    offset: int
+    data: bytes
 
 
 class KVRelease(Msg, kw_only=True):

@@ -8,7 +8,7 @@
     pd.cancel.<rid>            core NATS: Cancel, every worker listens on pd.cancel.>
     pd.stats.<role>.<inst>     core NATS: WorkerStats, the gateway aggregates for /metrics
     pd.kv.<store>.<op>         core NATS request/reply: kvstore control plane
-                               (info, lookup, allocate, commit, read, release, renew, stats)
+                               (info, lookup, allocate, write, commit, read, release, renew, stats)
 Valkey:
     pd:worker:<role>:<inst>    registry entry with TTL (heartbeat), value: encoded WorkerStats
     pd:kv:<key hex>            set of stores holding that block (routing hint, confirmed with the store)
@@ -26,7 +26,7 @@ DECODE_DIRECT = "pd.decode.direct"
 CANCEL_ALL = "pd.cancel.>"
 STATS_ALL = "pd.stats.>"
 
-KV_OPS = ("info", "lookup", "allocate", "commit", "read", "release", "renew", "stats")
+KV_OPS = ("info", "lookup", "allocate", "write", "commit", "read", "release", "renew", "stats")
 
 
 def tokens(request_id: str) -> str:
