@@ -91,31 +91,48 @@ class LLMEngine:
 
     # --------------------------------------------------------------------------------- requests
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    prefill_only: bool = False) -> Sequence:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
+                    prefill_only: bool = False, prefix_kv: torch.Tensor | None = None,
+                    num_resumed: int = 0) -> Sequence:
+        """Queue a request. `prefix_kv`: KV of the prompt's first whole blocks, computed elsewhere
+        (the kvstore's prefix cache); only the rest of the prompt is computed here.
+        `num_resumed`: output tokens streamed before (a migrated request), for seeded sampling."""
         seq = self._new_sequence(request_id, prompt_ids, params)
-        seq.prefill_only = prefill_only
+        seq.prefill_only, seq.num_resumed = prefill_only, num_resumed
+        if prefix_kv is not None and prefix_kv.shape[0] > 0:
+            n_tokens = prefix_kv.shape[0] * self.config.block_size
+            if n_tokens >= len(prompt_ids):
+                self.seqs.pop(request_id)
+                raise RequestError(f"request {request_id}: the supplied prefix covers the whole prompt")
+            self._import_kv(seq, prefix_kv, n_tokens)
+            seq.num_cached_tokens = n_tokens
         self.scheduler.add(seq)
         return seq
 
     def add_prefilled(self, request_id: str, prompt_ids: list[int], first_token: int, kv_blocks: torch.Tensor,
-                      params: SamplingParams) -> Sequence:
+                      params: SamplingParams, *, num_resumed: int = 0, num_cached_tokens: int = 0) -> Sequence:
         """Decode-only entry: the prompt's KV (whole blocks, the last maybe partial) and the first
         token come from a prefill worker. Raises MemoryError when the blocks don't fit now."""
         seq = self._new_sequence(request_id, prompt_ids, params)
-        n_blocks = -(-len(prompt_ids) // self.config.block_size)
-        if kv_blocks.shape[0] != n_blocks:
+        seq.num_resumed, seq.num_cached_tokens = num_resumed, num_cached_tokens
+        if kv_blocks.shape[0] != -(-len(prompt_ids) // self.config.block_size):
+            self.seqs.pop(request_id)
             raise RequestError(f"request {request_id}: {kv_blocks.shape[0]} KV blocks for a {len(prompt_ids)}-token prompt")
-        if not self.kv.allocate_slots(seq, len(prompt_ids)):
-            del self.seqs[request_id]
-            raise MemoryError(f"no room for {n_blocks} KV blocks")
-        self.kv_cache.write_blocks(seq.block_table, kv_blocks)
-        seq.num_computed_tokens = len(prompt_ids)
-        self.kv.cache_full_blocks(seq)
+        self._import_kv(seq, kv_blocks, len(prompt_ids))
         self._append_token(seq, first_token)
         if not seq.is_finished:
             self.scheduler.add(seq)
         return seq
+
+    def _import_kv(self, seq: Sequence, blocks: torch.Tensor, num_tokens: int) -> None:
+        """Give `seq` blocks holding the KV of its first `num_tokens` tokens, copied from `blocks`."""
+        if not self.kv.allocate_slots(seq, num_tokens):
+            self.seqs.pop(seq.request_id)
+            self._forget(seq.request_id)
+            raise MemoryError(f"no room for {blocks.shape[0]} KV blocks")
+        self.kv_cache.write_blocks(seq.block_table, blocks)
+        seq.num_computed_tokens = num_tokens
+        self.kv.cache_full_blocks(seq)
 
     def _new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         if request_id in self.seqs:
@@ -193,13 +210,13 @@ class LLMEngine:
                 banned = list(set(p.stop_token_ids) | (set() if p.ignore_eos else self.stop_checker.eos_token_ids))
                 if banned:
                     logits[row, banned] = float("-inf")
-        return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        return sample(logits, [s.params for s in seqs], [s.num_resumed + len(s.output_ids) for s in seqs])
 
     def _postprocess(self, seqs: list[Sequence], tokens: list[int]) -> list[RequestOutput]:
         outputs = []
         for seq, token in zip(seqs, tokens):
             self._append_token(seq, token)
-            outputs.append(self._output(seq, [token]))
+            outputs.append(self.make_output(seq, [token]))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int) -> None:
@@ -224,7 +241,7 @@ class LLMEngine:
             return
         self.scheduler.finish(seq, reason, keep_blocks=reason == FinishReason.PREFILLED)
 
-    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+    def make_output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
         rid = seq.request_id
         if seq.is_finished and rid in self._detok and not isinstance(seq.stop_reason, str):
             seq.text += self._detok[rid].flush()

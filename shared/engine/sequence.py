@@ -6,10 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from shared.kvcache.block_hash import BlockKey
-from shared.model.sampling import SamplingParams, make_generator
+from shared.model.sampling import SamplingParams
 
 
 class SequenceStatus(enum.IntEnum):
@@ -41,15 +39,13 @@ class Sequence:
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at admission
     num_preemptions: int = 0
     prefill_only: bool = False  # role: stop after the first token and keep the blocks for export
-    generator: torch.Generator | None = None
+    num_resumed: int = 0  # output tokens produced before this engine got the request (migration)
     first_token_time: float | None = None
     text: str = ""  # detokenized output so far (engines with a tokenizer fill it in)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError(f"request {self.request_id}: empty prompt")
-        if self.generator is None:
-            self.generator = make_generator(self.params)
 
     @property
     def num_tokens(self) -> int:

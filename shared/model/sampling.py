@@ -1,7 +1,9 @@
 """Sampling parameters and the batched sampler.
 
-Greedy when temperature is 0; otherwise temperature → top-k → top-p → a draw. A request with a seed
-owns a `torch.Generator` seeded once, so its tokens are reproducible whatever it is batched with.
+Greedy when temperature is 0; otherwise temperature → top-k → top-p → a draw. A seeded request
+draws output token i from a generator seeded with (seed, i), so its tokens are reproducible whatever
+it is batched with, and wherever token i is sampled: a prefill worker samples token 0 and a decode
+worker the rest, or a migrated request resumes on another worker, and the stream is the same.
 """
 
 from __future__ import annotations
@@ -45,16 +47,15 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def make_generator(params: SamplingParams, device: str | torch.device = "cpu") -> torch.Generator | None:
-    if params.greedy or params.seed is None:
-        return None
-    g = torch.Generator(device=device)
-    g.manual_seed(params.seed)
+def position_generator(seed: int, position: int) -> torch.Generator:
+    """The generator for output token `position` of a request seeded with `seed`."""
+    g = torch.Generator()
+    g.manual_seed((seed * 1_000_003 + position) & 0x7FFF_FFFF_FFFF_FFFF)
     return g
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """logits: [B, V] fp32, one row per sequence → one token id per row."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
+    """logits: [B, V] fp32, one row per sequence; positions: each row's output index → token ids."""
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     if greedy_rows:
@@ -63,7 +64,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         if p.greedy:
             continue
         probs = _probs(logits[i], p)
-        out[i] = torch.multinomial(probs, 1, generator=generators[i]).item()
+        g = None if p.seed is None else position_generator(p.seed, positions[i])
+        out[i] = torch.multinomial(probs, 1, generator=g).item()
     return out.tolist()
 
 

@@ -200,3 +200,20 @@ def test_stop_token_ids_and_min_tokens():
     [out] = engine.generate([p], SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10,
                                                 stop_token_ids=[stop_tok]))
     assert len(out.new_token_ids) == 10 and stop_tok not in out.new_token_ids  # banned until min_tokens
+
+
+def test_prefix_kv_from_elsewhere_computes_only_the_rest():
+    model = tiny_model()
+    p = prompts([45], seed=10)[0]
+    [expected] = make_engine(model).generate([p], GREEDY)
+    source = make_engine(model)
+    source.add_request("src", p, GREEDY, prefill_only=True)
+    while source.has_unfinished():
+        source.step()
+    _, blocks = source.export_kv("src")  # 3 blocks: 2 full + a partial one
+    target = make_engine(model)
+    target.add_request("dst", p, GREEDY, prefix_kv=blocks[:2])  # the whole blocks, as the kvstore keeps them
+    got = run_checked(target)
+    assert got["dst"] == expected.new_token_ids
+    assert target.stats.tokens_computed == (45 - 32) + GREEDY.max_tokens - 1
+    assert_all_blocks_released(target)

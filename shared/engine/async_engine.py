@@ -1,0 +1,132 @@
+"""The engine behind an asyncio service: steps run in a worker thread, requests come and go as
+asyncio calls.
+
+    add_request() / add_prefilled() / abort()   → queued, applied between steps (event-loop thread)
+    run()                                       → loop: apply queued commands → step (thread) → deliver
+    each request's outputs                      → its own asyncio.Queue (RequestStream)
+
+The engine is only ever touched from the event-loop thread while no step is running, or from the
+step thread while a step runs: never both, so it needs no locks. torch releases the GIL inside its
+kernels, so the event loop keeps serving NATS while a step computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.engine import LLMEngine, RequestOutput
+from shared.engine.sequence import FinishReason
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StreamItem:
+    output: RequestOutput | None = None
+    kv_blocks: torch.Tensor | None = None  # prefill-only: the exported prompt KV
+    error: BaseException | None = None  # the request could not be added
+
+
+class RequestStream:
+    """One request's outputs, in order; ends with a finished output or an error."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.queue: asyncio.Queue[StreamItem] = asyncio.Queue()
+
+    async def get(self) -> StreamItem:
+        return await self.queue.get()
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._streams: dict[str, RequestStream] = {}
+        self._commands: list[Callable[[], None]] = []
+        self._wake = asyncio.Event()
+        self.step_count = 0
+
+    # ---------------------------------------------------------------------------------- requests
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params, **kwargs) -> RequestStream:
+        return self._submit(request_id, lambda: self.engine.add_request(request_id, prompt_ids, params, **kwargs))
+
+    def add_prefilled(self, request_id: str, prompt_ids: list[int], first_token: int, kv_blocks: torch.Tensor,
+                      params, **kwargs) -> RequestStream:
+        def add() -> None:
+            seq = self.engine.add_prefilled(request_id, prompt_ids, first_token, kv_blocks, params, **kwargs)
+            if seq.is_finished:  # the first token already ended it (EOS, stop string, max_tokens 1)
+                self._deliver([self.engine.make_output(seq, [])])
+
+        return self._submit(request_id, add)
+
+    def abort(self, request_id: str) -> None:
+        def do_abort() -> None:
+            if self.engine.abort(request_id):
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    stream.queue.put_nowait(StreamItem(output=RequestOutput(
+                        request_id, [], "", True, FinishReason.ABORT, 0, 0, 0)))
+
+        self._commands.append(do_abort)
+        self._wake.set()
+
+    def _submit(self, request_id: str, add: Callable[[], None]) -> RequestStream:
+        stream = RequestStream(request_id)
+
+        def command() -> None:
+            self._streams[request_id] = stream
+            try:
+                add()
+            except Exception as exc:  # RequestError, MemoryError: the caller decides what to tell the client
+                self._streams.pop(request_id, None)
+                stream.queue.put_nowait(StreamItem(error=exc))
+
+        self._commands.append(command)
+        self._wake.set()
+        return stream
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._streams)
+
+    # -------------------------------------------------------------------------------------- loop
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self._apply_commands()
+            if not self.engine.has_unfinished():
+                self._wake.clear()
+                if self._commands:
+                    continue
+                waiter = asyncio.ensure_future(self._wake.wait())
+                stopper = asyncio.ensure_future(stop.wait())
+                await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                stopper.cancel()
+                continue
+            outputs = await asyncio.to_thread(self.engine.step)
+            self.step_count += 1
+            self._deliver(outputs)
+
+    def _apply_commands(self) -> None:
+        commands, self._commands = self._commands, []
+        for command in commands:
+            command()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            item = StreamItem(output=out)
+            if out.finished:
+                del self._streams[out.request_id]
+                if out.finish_reason == FinishReason.PREFILLED:
+                    _, item.kv_blocks = self.engine.export_kv(out.request_id)
+            stream.queue.put_nowait(item)

@@ -1,0 +1,64 @@
+"""The asyncio wrapper: requests added while steps run, outputs in order, abort, errors as data."""
+
+from __future__ import annotations
+
+import asyncio
+
+from shared.engine.async_engine import AsyncEngine
+from shared.engine.engine import RequestError
+from shared.model.sampling import SamplingParams
+from tests.engine.test_engine import make_engine, prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+async def collect(stream):
+    tokens = []
+    while True:
+        item = await stream.get()
+        if item.error is not None:
+            return item.error
+        tokens += item.output.new_token_ids
+        if item.output.finished:
+            return tokens, item
+
+
+async def test_concurrent_requests_match_offline_generation():
+    engine = make_engine()
+    ps = prompts([5, 30, 17], seed=20)
+    expected = [o.new_token_ids for o in make_engine().generate(ps, GREEDY)]
+    async_engine = AsyncEngine(engine)
+    stop = asyncio.Event()
+    loop_task = asyncio.create_task(async_engine.run(stop))
+    streams = []
+    for i, p in enumerate(ps):
+        streams.append(async_engine.add_request(str(i), p, GREEDY))
+        await asyncio.sleep(0)  # let a step start in between
+    results = await asyncio.gather(*(collect(s) for s in streams))
+    assert [r[0] for r in results] == expected
+    bad = await collect(async_engine.add_request("bad", [], GREEDY))
+    assert isinstance(bad, RequestError)
+    stop.set()
+    await loop_task
+    engine.pool.check_invariants()
+    assert engine.pool.num_used_blocks == 0
+
+
+async def test_abort_and_prefill_only_export():
+    engine = make_engine()
+    async_engine = AsyncEngine(engine)
+    stop = asyncio.Event()
+    loop_task = asyncio.create_task(async_engine.run(stop))
+    long = async_engine.add_request("long", prompts([20], seed=21)[0], SamplingParams(temperature=0.0, max_tokens=200))
+    first = await long.get()
+    assert not first.output.finished
+    async_engine.abort("long")
+    tokens, last = await collect(long)
+    assert last.output.finish_reason == "abort"
+    pre = async_engine.add_request("pre", prompts([40], seed=22)[0], GREEDY, prefill_only=True)
+    tokens, item = await collect(pre)
+    assert len(tokens) == 1 and item.kv_blocks.shape[0] == 3
+    stop.set()
+    await loop_task
+    engine.pool.check_invariants()
+    assert engine.pool.num_used_blocks == 0
