@@ -1,7 +1,9 @@
 """`pdserve` — the command line.
 
-    pdserve model pull                    fetch the default model into the cache
-    pdserve generate "prompt" [--chat]    stream the model's answer to the terminal
+    pdserve up [--mode M --prefill N --decode M]   NATS, Valkey, kvstore, workers, gateway on this machine
+    pdserve gateway|prefill|decode|kvstore …       one service on its own (how docker-compose runs them)
+    pdserve model pull                             fetch the default model into the cache
+    pdserve generate "prompt" [--chat]             stream the model's answer to the terminal
 
 Environment variables are read here, once, and passed on as plain values.
 """
@@ -14,34 +16,9 @@ import os
 import sys
 import time
 
+from shared.cli_args import add_engine_args, engine_config
+
 log = logging.getLogger("pdserve")
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=os.environ.get("PDSERVE_MODEL"),
-                   help="GGUF file or Hugging Face model directory (default: SmolLM2-135M-Instruct, pulled on demand)")
-    p.add_argument("--dtype", default=os.environ.get("PDSERVE_DTYPE", "bfloat16"), help="bfloat16 | float32")
-    p.add_argument("--quantization", default=os.environ.get("PDSERVE_QUANTIZATION", "int8"),
-                   help="int8 (weight-only int8 projections, the fast CPU default) | none")
-    p.add_argument("--device", default=os.environ.get("PDSERVE_DEVICE", "cpu"))
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--num-kv-blocks", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--no-chunked-prefill", action="store_true")
-    p.add_argument("--no-prefix-caching", action="store_true")
-
-
-def engine_config_from_args(args: argparse.Namespace):
-    from shared.config import EngineConfig
-
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
-        quantization=None if args.quantization in ("none", "") else args.quantization,
-        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_chunked_prefill=not args.no_chunked_prefill, enable_prefix_caching=not args.no_prefix_caching,
-    )
 
 
 def cmd_model_pull(args: argparse.Namespace) -> int:
@@ -56,7 +33,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from shared.model.chat_template import render_chat
     from shared.model.sampling import SamplingParams
 
-    engine = LLMEngine.from_config(engine_config_from_args(args))
+    engine = LLMEngine.from_config(engine_config(args))
     tok = engine.tokenizer
     if args.chat:
         text = render_chat(tok.chat_template, [{"role": "user", "content": args.prompt}], add_generation_prompt=True)
@@ -85,10 +62,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+SERVICES = ("gateway", "prefill", "decode", "kvstore")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="LLM serving with prefill and decode disaggregated")
     parser.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "WARNING"))
     sub = parser.add_subparsers(dest="command", required=True)
+    for name in SERVICES:
+        sub.add_parser(name, help=f"run one {name} service (see `pdserve {name} --help`)", add_help=False)
+
+    from services.up import add_up_args, cmd_up
+
+    up = sub.add_parser("up", help="run everything on this machine (the embedded default)")
+    add_up_args(up)
+    up.set_defaults(func=cmd_up)
 
     model = sub.add_parser("model", help="manage model files").add_subparsers(dest="model_command", required=True)
     pull = model.add_parser("pull", help="fetch the default model (SmolLM2-135M-Instruct) into the cache")
@@ -105,12 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--stats", action="store_true", help="print TTFT and decode speed to stderr")
-    _add_engine_args(gen)
+    add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SERVICES:  # hand the rest of the command line to the service itself
+        import importlib
+
+        return importlib.import_module(f"services.{argv[0]}.__main__").main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -48,3 +48,33 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
+
+
+@dataclass
+class WorkerConfig:
+    """What a prefill, decode or colocated worker needs besides its engine."""
+
+    role: str  # "prefill" | "decode" | "colocated"
+    instance: str
+    engine: EngineConfig
+    nats_url: str = "nats://127.0.0.1:4222"
+    nats_user: str | None = None
+    nats_password: str | None = None
+    nats_token: str | None = None
+    redis_url: str = "redis://127.0.0.1:6379"
+    redis_password: str | None = None
+    kvstore: str = "kv-local"  # the store on this host
+    kv_use_shm: bool = True  # false: the network data path (another host, or tests)
+    kv_failure_policy: str = "recompute"  # "recompute" the prompt here, or "fail" the request
+    max_inflight: int = 4  # prefill: jobs taken at once (beyond that, they wait in the queue)
+    ack_wait_s: float = 30.0  # a job not acked by then is redelivered (its worker died)
+    max_deliver: int = 3
+    lease_ttl_s: float = 60.0  # how long KV blocks wait for a decode worker
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode", "colocated"):
+            raise ValueError(f"worker role must be prefill, decode or colocated, got {self.role!r}")
+        if self.kv_failure_policy not in ("recompute", "fail"):
+            raise ValueError(f"kv_failure_policy must be recompute or fail, got {self.kv_failure_policy!r}")
+        if self.max_inflight <= 0:
+            raise ValueError("max_inflight must be positive")

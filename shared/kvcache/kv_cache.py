@@ -33,6 +33,15 @@ class KVCache:
     def bytes_per_block(cfg: ModelConfig, block_size: int = BLOCK_SIZE, dtype: torch.dtype = torch.float32) -> int:
         return cfg.kv_values_per_token * block_size * torch.tensor([], dtype=dtype).element_size()
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block (all layers, K and V): the kvstore's slot size."""
+        return self.data[0].numel() * self.data.element_size()
+
+    def empty_blocks(self, n: int) -> torch.Tensor:
+        """An uninitialised [n, L, 2, bs, Hkv, Dh] tensor to receive blocks from elsewhere."""
+        return torch.empty((n, *self.data.shape[1:]), dtype=self.data.dtype, device=self.data.device)
+
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Copy blocks out: [n, L, 2, bs, Hkv, Dh] (contiguous)."""
         return self.data[block_ids].clone()

@@ -1,0 +1,34 @@
+"""`pdserve decode` / `python -m services.decode`: one decode worker (also `--role colocated`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from shared.cli_args import add_worker_args, worker_config
+from shared.engine.engine import LLMEngine
+from shared.transport.worker import run_worker
+from services.decode.worker import DecodeWorker
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve decode", description=__doc__)
+    add_worker_args(p)
+    p.add_argument("--role", default="decode", choices=["decode", "colocated"])
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = worker_config(args, args.role)
+    engine = LLMEngine.from_config(config.engine)
+    asyncio.run(run_worker(DecodeWorker(config, engine)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""The decode worker: pull a DecodeJob only when there is a free slot and room for its blocks →
+copy the blocks from the kvstore (shared memory on this host) → release the lease → join the
+running batch → publish every step's tokens → the final event with usage and timing.
+
+The same worker also runs whole requests (role `colocated`: PrefillJobs from the prefill queue;
+and, in conditional mode, short prompts the gateway sends straight to `pd.decode.direct`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from shared.config import WorkerConfig
+from shared.engine.async_engine import RequestStream
+from shared.engine.engine import LLMEngine
+from shared.engine.sequence import FinishReason
+from shared.protocol import subjects
+from shared.protocol.convert import to_params
+from shared.protocol.messages import DecodeJob, ErrorCode, PrefillJob, Timing, decode
+from shared.transport import nats_bus
+from shared.transport.kv_client import KVStoreClient, KVStoreError
+from shared.transport.worker import WorkerRuntime, attach_kvstore, safe
+
+log = logging.getLogger(__name__)
+
+
+class DecodeWorker(WorkerRuntime):
+    def __init__(self, config: WorkerConfig, engine: LLMEngine):
+        super().__init__(config, engine)
+        self.kv: KVStoreClient | None = None
+
+    async def run(self) -> None:
+        await self.start()
+        c = self.config
+        consumers = []
+        if c.role == "colocated":
+            sub = await nats_bus.pull_subscription(self.js, subjects.PREFILL_STREAM, "prefill", subjects.PREFILL_JOBS,
+                                                   ack_wait=c.ack_wait_s, max_deliver=c.max_deliver)
+            consumers.append((sub, self._take_whole))
+        else:
+            self.kv = await attach_kvstore(self.nc, c, self.engine)
+            jobs = await nats_bus.pull_subscription(self.js, subjects.DECODE_STREAM, "decode", subjects.DECODE_JOBS,
+                                                    ack_wait=c.ack_wait_s, max_deliver=c.max_deliver)
+            direct = await nats_bus.pull_subscription(self.js, subjects.DECODE_STREAM, "decode-direct",
+                                                      subjects.DECODE_DIRECT, ack_wait=c.ack_wait_s,
+                                                      max_deliver=c.max_deliver)
+            consumers += [(jobs, self._take_decode), (direct, self._take_whole)]
+        log.info("%s worker %s ready", c.role, c.instance)
+        await asyncio.gather(*(self._pull(sub, take) for sub, take in consumers))
+
+    def _room(self) -> int:
+        """Requests this worker would take now: free slots, and enough free blocks for a long prompt."""
+        e = self.engine
+        slots = e.config.max_num_seqs - self.async_engine.num_requests
+        reserve = max(8, e.config.num_kv_blocks // 8)  # headroom for the running sequences to grow
+        return max(0, min(slots, 4)) if e.pool.num_free_blocks > reserve else 0
+
+    async def _pull(self, sub, take) -> None:
+        while not self.stop.is_set():
+            room = self._room()
+            if room == 0:
+                await asyncio.sleep(0.02)
+                continue
+            try:
+                msgs = await sub.fetch(room, timeout=0.5)
+            except (asyncio.TimeoutError, TimeoutError):
+                continue
+            except Exception as exc:
+                log.warning("fetch failed: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:  # one at a time: each takes blocks the next one's room check must see
+                try:
+                    await take(msg)
+                except Exception:
+                    log.exception("job intake failed; it will be redelivered")
+                    await safe(msg.nak(delay=1.0))
+
+    # ------------------------------------------------------------------------------- DecodeJob
+
+    async def _take_decode(self, msg) -> None:
+        try:
+            job = decode(msg.data, DecodeJob)
+        except Exception as exc:
+            log.error("malformed DecodeJob dropped: %s", exc)
+            await msg.term()
+            return
+        taken = time.time()
+        rid = job.request_id
+        if rid in self.cancelled or (job.deadline and taken > job.deadline):
+            await self._release(job)
+            await msg.ack()
+            return
+        index = job.num_resumed + 1  # the first token was published by the prefill worker
+        try:
+            params = to_params(job.params, num_resumed=job.num_resumed)
+        except ValueError as exc:
+            await self._release(job)
+            await self.publish_error(rid, index, ErrorCode.BAD_REQUEST, str(exc))
+            await msg.ack()
+            return
+        timing = job.timing
+        timing.decode_queue_s = max(0.0, taken - job.created_at) if job.created_at else 0.0
+        blocks = await self._read_blocks(job, timing)
+        if blocks is None and self.config.kv_failure_policy == "fail":
+            await self.publish_error(rid, index, ErrorCode.KV_TRANSFER_FAILED,
+                                     f"KV blocks of request {rid} could not be read from kvstore {job.store}")
+            await msg.ack()
+            return
+        if blocks is None:  # recompute: prefill prompt + first token here, continue after it
+            stream = self.async_engine.add_request(rid, job.token_ids + [job.first_token],
+                                                   to_params(job.params, num_resumed=index), num_resumed=index)
+        else:
+            stream = self.async_engine.add_prefilled(rid, job.token_ids, job.first_token, blocks, params,
+                                                     num_resumed=job.num_resumed,
+                                                     num_cached_tokens=job.num_cached_tokens)
+        await msg.ack()
+        asyncio.create_task(self._stream(stream, job.num_prompt_tokens, job.num_cached_tokens, timing))
+
+    async def _read_blocks(self, job: DecodeJob, timing: Timing):
+        """The job's blocks as a tensor, or None when they cannot be had (missing, corrupt, store
+        down): the caller applies the failure policy. The lease is released either way."""
+        if not job.blocks:
+            return None
+        t0 = time.time()
+        try:
+            out = self.engine.kv_cache.empty_blocks(len(job.blocks))
+            await self.kv.read_blocks(job.lease_id, job.blocks, out)
+            timing.kv_read_s = time.time() - t0
+            return out
+        except KVStoreError as exc:
+            log.warning("request %s: KV transfer failed (%s)", job.request_id, exc)
+            return None
+        finally:
+            await self._release(job)
+
+    async def _release(self, job: DecodeJob) -> None:
+        if job.lease_id and self.kv is not None:
+            try:
+                await self.kv.release(job.lease_id)
+            except KVStoreError as exc:
+                log.warning("lease %s not released (%s); it will expire", job.lease_id, exc)
+
+    # ------------------------------------------------------------------------- whole requests
+
+    async def _take_whole(self, msg) -> None:
+        try:
+            job = decode(msg.data, PrefillJob)
+        except Exception as exc:
+            log.error("malformed PrefillJob dropped: %s", exc)
+            await msg.term()
+            return
+        taken = time.time()
+        rid, index = job.request_id, len(job.resume_ids)
+        if rid in self.cancelled or (job.deadline and taken > job.deadline):
+            await msg.ack()
+            return
+        try:
+            params = to_params(job.params, num_resumed=index)
+        except ValueError as exc:
+            await self.publish_error(rid, index, ErrorCode.BAD_REQUEST, str(exc))
+            await msg.ack()
+            return
+        stream = self.async_engine.add_request(rid, job.prompt_ids + job.resume_ids, params, num_resumed=index)
+        await msg.ack()
+        timing = Timing(queue_s=max(0.0, taken - job.created_at) if job.created_at else 0.0)
+        asyncio.create_task(self._stream(stream, len(job.prompt_ids), 0, timing))
+
+    # ------------------------------------------------------------------------------ streaming
+
+    async def _stream(self, stream: RequestStream, prompt_tokens: int, cached_tokens: int, timing: Timing) -> None:
+        """Publish a request's outputs as TokenEvents until it ends."""
+        rid = stream.request_id
+        t0 = time.time()
+        while True:
+            item = await stream.get()
+            if item.error is not None:
+                code = ErrorCode.OVERLOADED if isinstance(item.error, MemoryError) else ErrorCode.BAD_REQUEST
+                await self.publish_error(rid, 0, code, str(item.error))
+                return
+            out = item.output
+            index = out.output_index
+            if not out.finished:
+                await self.publish_tokens(rid, index, out.new_token_ids)
+                continue
+            if out.finish_reason == FinishReason.ABORT:
+                return
+            timing.decode_s = time.time() - t0
+            await self.publish_final(rid, index, out.new_token_ids, finish_reason=str(out.finish_reason),
+                                     stop_reason=out.stop_reason, prompt_tokens=prompt_tokens,
+                                     completion_tokens=index + len(out.new_token_ids),
+                                     cached_tokens=max(cached_tokens, out.num_cached_tokens), timing=timing)
+            return

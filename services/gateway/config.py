@@ -1,0 +1,74 @@
+"""The gateway's configuration: one validated dataclass, filled from argv/env by `__main__` only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("disaggregated", "colocated", "conditional")
+
+# The worker roles that must be alive before a mode can serve a request (DESIGN.md "Modes").
+REQUIRED_ROLES: dict[str, frozenset[str]] = {
+    "disaggregated": frozenset({"prefill", "decode"}),
+    "colocated": frozenset({"colocated"}),
+    "conditional": frozenset({"prefill", "decode"}),
+}
+
+
+@dataclass
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    instance: str = "gateway-0"  # label of the gateway's own rows in /metrics
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    nats_user: str | None = None
+    nats_password: str | None = None
+    nats_token: str | None = None
+    redis_url: str = "redis://127.0.0.1:6379"
+    redis_password: str | None = None
+
+    model: str | None = None  # GGUF file or HF directory; None: the default model (pulled on demand)
+    served_model_name: str | None = None  # None: the default model's id, else the file/directory name
+    max_model_len: int | None = None  # None: the checkpoint's context length
+
+    mode: str = "disaggregated"
+    conditional_threshold: int = 256  # conditional mode: prompts shorter than this go straight to decode
+
+    max_concurrent_requests: int = 256  # in flight in this gateway; beyond it → 429
+    max_body_bytes: int = 4 * 1024 * 1024  # request bodies above it → 413
+    default_max_tokens: int = 1024  # cap on max_tokens when a request leaves it out
+    inactivity_timeout_s: float = 60.0  # no TokenEvent for this long → error, Cancel published
+    request_timeout_s: float = 600.0  # overall deadline (also PrefillJob.deadline)
+    publish_timeout_s: float = 5.0  # JetStream publish ack
+    worker_alive_s: float = 5.0  # a WorkerStats this recent counts as alive (/health)
+    worker_stats_ttl_s: float = 10.0  # /metrics drops instances silent for longer
+    registry_cache_s: float = 1.0  # how long one Valkey registry scan is reused
+    shutdown_grace_s: float = 10.0  # uvicorn: wait this long for open streams on shutdown
+
+    api_key: str | None = None  # if set, /v1/* needs "Authorization: Bearer <api_key>"
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"gateway config: mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"gateway config: port must be in [0, 65535], got {self.port}")
+        for name in ("max_concurrent_requests", "max_body_bytes", "default_max_tokens", "conditional_threshold"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"gateway config: {name} must be positive, got {getattr(self, name)}")
+        for name in ("inactivity_timeout_s", "request_timeout_s", "publish_timeout_s", "worker_alive_s",
+                     "worker_stats_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"gateway config: {name} must be positive, got {getattr(self, name)}")
+        if self.registry_cache_s < 0 or self.shutdown_grace_s < 0:
+            raise ValueError("gateway config: registry_cache_s and shutdown_grace_s must be >= 0")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"gateway config: max_model_len must be > 1, got {self.max_model_len}")
+        if not self.instance or "." in self.instance:
+            raise ValueError(f"gateway config: instance must be a non-empty name without dots, got {self.instance!r}")
+        if self.api_key == "":
+            self.api_key = None
+
+    @property
+    def required_roles(self) -> frozenset[str]:
+        return REQUIRED_ROLES[self.mode]

@@ -1,0 +1,156 @@
+"""From a validated request to what a worker needs: prompt token ids and wire sampling params.
+
+Chat messages are rendered with the checkpoint's own template and encoded without adding special
+tokens (the template already wrote them); a completion prompt is encoded as is, or taken as token
+ids. Then the context check: prompt + max_tokens must fit in the model's context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from services.gateway.errors import APIError, bad_request
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from shared.model.chat_template import ROLES, ChatTemplateError, render_chat
+from shared.model.tokenizer import Tokenizer
+from shared.protocol.messages import SamplingMsg
+
+_ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
+
+
+@dataclass
+class ModelInfo:
+    name: str  # what /v1/models lists and requests must name
+    max_model_len: int
+    tokenizer: Tokenizer
+
+
+@dataclass
+class PreparedRequest:
+    prompt_ids: list[int]
+    params: SamplingMsg
+    stream: bool
+    include_usage: bool
+
+
+def check_model(requested: str | None, model: ModelInfo) -> None:
+    if requested is not None and requested != model.name:
+        raise APIError(404, f"The model '{requested}' does not exist; this server serves '{model.name}'",
+                       param="model", code="model_not_found")
+
+
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """OpenAI message objects → plain {role, content: str} dicts the template expects."""
+    if not messages:
+        raise bad_request("'messages' is empty: a chat needs at least one message", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        role = _ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
+        if role not in ROLES:
+            raise bad_request(f"'messages[{i}].role' is {role!r}; expected one of {sorted(ROLES | set(_ROLE_ALIASES))}",
+                              param="messages")
+        out.append({"role": role, "content": _content_text(message.get("content"), i)})
+    return out
+
+
+def _content_text(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"'messages[{i}].content[{j}]' must be {{'type': 'text', 'text': <string>}}; "
+                                  "other content parts are not supported", param="messages")
+            texts.append(part["text"])
+        return "\n".join(texts)  # as vLLM joins text parts
+    raise bad_request(f"'messages[{i}].content' must be a string or a list of text parts, got "
+                      f"{type(content).__name__}", param="messages")
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    try:
+        text = render_chat(tokenizer.chat_template, messages, add_generation_prompt=True,
+                           bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "")
+    except (ChatTemplateError, ValueError) as exc:
+        raise bad_request(str(exc), param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def completion_prompt_ids(tokenizer: Tokenizer, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request(f"'prompt' holds {len(prompt)} prompts; only a single prompt per request is supported",
+                              param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt) if prompt else []
+    else:
+        ids = list(prompt)
+        bad = next((t for t in ids if not 0 <= t < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"'prompt' has token id {bad}, outside the vocabulary (size {tokenizer.vocab_size})",
+                              param="prompt")
+    if not ids:
+        raise bad_request("'prompt' is empty", param="prompt")
+    return ids
+
+
+def resolve_max_tokens(num_prompt: int, requested: int | None, max_model_len: int, default_cap: int) -> int:
+    """The number of tokens to generate; 400 when the request cannot fit in the context."""
+    if num_prompt >= max_model_len:
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+                          f"{num_prompt} tokens, which leaves no room for a completion. Please shorten the prompt.",
+                          param="messages", code="context_length_exceeded")
+    room = max_model_len - num_prompt
+    if requested is None:
+        return min(room, default_cap)
+    if requested > room:
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                          f"{num_prompt + requested} tokens ({num_prompt} in the prompt, {requested} in the "
+                          "completion). Please reduce the prompt or max_tokens.",
+                          param="max_tokens", code="context_length_exceeded")
+    return requested
+
+
+def sampling_msg(req: GenerationRequest, max_tokens: int, vocab_size: int) -> SamplingMsg:
+    min_tokens = req.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise bad_request(f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens")
+    stop_ids = req.stop_token_ids or []
+    if any(not 0 <= t < vocab_size for t in stop_ids):
+        raise bad_request(f"'stop_token_ids' must be ids in [0, {vocab_size})", param="stop_token_ids")
+    return SamplingMsg(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else float(req.temperature),  # OpenAI's default
+        top_p=1.0 if req.top_p is None else float(req.top_p),
+        top_k=req.top_k or 0,
+        seed=req.seed,
+        stop=req.stop_list,
+        stop_token_ids=list(stop_ids),
+        ignore_eos=bool(req.ignore_eos),
+        min_tokens=min_tokens,
+        skip_special_tokens=req.skip_special_tokens is not False,
+    )
+
+
+async def prepare(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo, default_max_tokens: int
+                  ) -> PreparedRequest:
+    """Validate against the model, tokenize (in a thread: long prompts take a while), size the output."""
+    check_model(req.model, model)
+    if (err := req.unsupported_param()) is not None:
+        raise err
+    tokenizer = model.tokenizer
+    if isinstance(req, ChatCompletionRequest):
+        messages = normalize_messages(req.messages)
+        prompt_ids = await asyncio.to_thread(chat_prompt_ids, tokenizer, messages)
+        requested = req.requested_max_tokens
+    else:
+        prompt_ids = await asyncio.to_thread(completion_prompt_ids, tokenizer, req.prompt)
+        requested = req.max_tokens
+    max_tokens = resolve_max_tokens(len(prompt_ids), requested, model.max_model_len, default_max_tokens)
+    params = sampling_msg(req, max_tokens, tokenizer.vocab_size)
+    return PreparedRequest(prompt_ids, params, stream=bool(req.stream), include_usage=req.include_usage)

@@ -1,0 +1,77 @@
+"""Configuration of one kvstore instance: a validated dataclass, filled by `__main__` (or a test)."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+
+from shared.kvcache.kv_cache import BLOCK_SIZE
+
+# A store name is one NATS subject token (pd.kv.<store>.<op>) and part of Valkey keys.
+_STORE_NAME = re.compile(r"[A-Za-z0-9_\-]+")
+
+
+def default_store_name() -> str:
+    host = re.sub(r"[^A-Za-z0-9_\-]", "-", socket.gethostname())
+    return f"kv-{host}-{os.getpid()}"
+
+
+@dataclass
+class KVStoreConfig:
+    block_bytes: int  # bytes of one KV block (all layers, K and V, block_size tokens)
+    layout: str  # e.g. "L30.2.16.H3.D64.bfloat16": workers check it against their model
+    num_slots: int = 2048  # pool size in blocks (SmolLM2 bf16: 360 KiB a block → 720 MiB)
+    store: str = field(default_factory=default_store_name)
+    block_size: int = BLOCK_SIZE  # tokens per block
+    nats_url: str = "nats://127.0.0.1:4222"
+    nats_user: str | None = None
+    nats_password: str | None = None
+    nats_token: str | None = None
+    redis_url: str = "redis://127.0.0.1:6379"
+    redis_password: str | None = None
+    shared_memory: bool = True  # False: private memory, network data path only (shm_name "")
+    heartbeat_s: float = 1.0  # stats publish, registry refresh, routing-hint sync
+    registry_ttl_s: float = 5.0  # a store that stops heartbeating vanishes from the registry
+    max_lease_ttl_s: float = 3600.0  # longer requests are refused (a lease must expire eventually)
+    read_chunk_headroom: int = 64 * 1024  # bytes kept free under max_payload for the envelope
+
+    def __post_init__(self) -> None:
+        if not _STORE_NAME.fullmatch(self.store):
+            raise ValueError(f"kvstore config: store name {self.store!r} must match [A-Za-z0-9_-]+ "
+                             "(it is a NATS subject token)")
+        for name in ("block_bytes", "num_slots", "block_size", "read_chunk_headroom"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"kvstore config: {name} must be positive, got {getattr(self, name)}")
+        for name in ("heartbeat_s", "registry_ttl_s", "max_lease_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"kvstore config: {name} must be positive, got {getattr(self, name)}")
+        if self.registry_ttl_s <= self.heartbeat_s:
+            raise ValueError(f"kvstore config: registry_ttl_s ({self.registry_ttl_s}) must exceed heartbeat_s "
+                             f"({self.heartbeat_s}) or the registry entry flickers")
+        if not self.layout:
+            raise ValueError("kvstore config: layout must be set (workers check it against their model)")
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_slots * self.block_bytes
+
+
+def layout_for_model(model: str | None, dtype: str = "bfloat16", block_size: int = BLOCK_SIZE) -> tuple[int, str]:
+    """(block_bytes, layout) of a checkpoint's KV block; reads the checkpoint's metadata only.
+
+    The layout names the block format of `shared.kvcache.kv_cache.KVCache`:
+    [num_layers, 2 (K, V), block_size, num_kv_heads, head_dim] in `dtype`.
+    """
+    from shared.config import parse_dtype
+    from shared.kvcache.kv_cache import KVCache
+    from shared.model.hub import resolve_model_path
+    from shared.model.loader import open_checkpoint
+
+    torch_dtype = parse_dtype(dtype)
+    cfg = open_checkpoint(resolve_model_path(model)).config
+    block_bytes = KVCache.bytes_per_block(cfg, block_size, torch_dtype)
+    dtype_name = str(torch_dtype).removeprefix("torch.")
+    layout = f"L{cfg.num_layers}.2.{block_size}.H{cfg.num_kv_heads}.D{cfg.head_dim}.{dtype_name}"
+    return block_bytes, layout

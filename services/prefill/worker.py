@@ -1,0 +1,172 @@
+"""The prefill worker: pull a PrefillJob → reuse cached prefix blocks → prefill the rest → publish
+token 1 → write the new blocks to the kvstore → publish a DecodeJob → ack.
+
+Jobs are pulled only while fewer than `max_inflight` are in progress (backpressure: the rest wait in
+the JetStream queue). A job is acked only once its DecodeJob is published, so a worker that dies
+mid-job has it redelivered (bounded by max_deliver); the gateway drops the duplicate first token by
+its index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+
+from shared.config import WorkerConfig
+from shared.engine.engine import LLMEngine
+from shared.engine.sequence import FinishReason
+from shared.kvcache.block_hash import block_keys
+from shared.protocol import subjects
+from shared.protocol.convert import to_params
+from shared.protocol.messages import DecodeJob, ErrorCode, KVBlockRef, PrefillJob, Timing, decode, encode
+from shared.transport import nats_bus
+from shared.transport.kv_client import KVStoreClient, KVStoreError
+from shared.transport.worker import WorkerRuntime, attach_kvstore, keep_in_progress, safe, wait_any
+
+log = logging.getLogger(__name__)
+
+
+class PrefillWorker(WorkerRuntime):
+    def __init__(self, config: WorkerConfig, engine: LLMEngine):
+        super().__init__(config, engine)
+        self.kv: KVStoreClient | None = None
+        self.inflight = 0
+        self._room = asyncio.Event()
+
+    async def run(self) -> None:
+        await self.start()
+        self.kv = await attach_kvstore(self.nc, self.config, self.engine)
+        sub = await nats_bus.pull_subscription(self.js, subjects.PREFILL_STREAM, "prefill", subjects.PREFILL_JOBS,
+                                               ack_wait=self.config.ack_wait_s, max_deliver=self.config.max_deliver)
+        log.info("prefill worker %s ready", self.config.instance)
+        while not self.stop.is_set():
+            room = self.config.max_inflight - self.inflight
+            if room <= 0:
+                self._room.clear()
+                await wait_any(self._room, self.stop)
+                continue
+            try:
+                msgs = await sub.fetch(room, timeout=0.5)
+            except (asyncio.TimeoutError, TimeoutError):
+                continue
+            except Exception as exc:  # NATS down: the client reconnects; try again shortly
+                log.warning("fetch failed: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                self.inflight += 1
+                asyncio.create_task(self._handle(msg))
+
+    async def _handle(self, msg) -> None:
+        try:
+            await self._prefill(msg)
+        except Exception:
+            log.exception("prefill job failed unexpectedly; it will be redelivered")
+            await safe(msg.nak(delay=1.0))
+        finally:
+            self.inflight -= 1
+            self._room.set()
+
+    async def _prefill(self, msg) -> None:
+        try:
+            job = decode(msg.data, PrefillJob)
+        except Exception as exc:
+            log.error("malformed PrefillJob dropped: %s", exc)
+            await msg.term()
+            return
+        taken = time.time()
+        rid = job.request_id
+        index = len(job.resume_ids)
+        if rid in self.cancelled or (job.deadline and taken > job.deadline):
+            await msg.ack()
+            return
+        try:
+            params = to_params(job.params, num_resumed=index)
+        except ValueError as exc:
+            await self.publish_error(rid, index, ErrorCode.BAD_REQUEST, str(exc))
+            await msg.ack()
+            return
+        keep_alive = asyncio.create_task(keep_in_progress(msg, self.config.ack_wait_s))
+        try:
+            await self._run_job(job, params, index, taken)
+        finally:
+            keep_alive.cancel()
+        await msg.ack()
+
+    async def _run_job(self, job: PrefillJob, params, index: int, taken: float) -> None:
+        rid, tokens = job.request_id, job.prompt_ids + job.resume_ids
+        bs = self.engine.config.block_size
+        keys = block_keys(tokens, bs, self.engine.kv.model_id)  # every full block's key
+        lookup_keys = keys[: (len(tokens) - 1) // bs]  # leave ≥ 1 token to compute
+        lease, hits, prefix = "", [], None
+        try:
+            found = await self.kv.lookup(lookup_keys, lease_ttl_s=self.config.lease_ttl_s)
+            lease, hits = found.lease_id, found.blocks
+            if hits:
+                prefix = self.engine.kv_cache.empty_blocks(len(hits))
+                await self.kv.read_blocks(lease, hits, prefix)
+        except KVStoreError as exc:  # a prefix we cannot read is recomputed, never trusted
+            log.warning("request %s: prefix cache unavailable (%s); computing the whole prompt", rid, exc)
+            await self._release(lease)
+            lease, hits, prefix = "", [], None
+        self.prefix_queries += len(lookup_keys)
+        self.prefix_hits += len(hits)
+
+        t0 = time.time()
+        stream = self.async_engine.add_request(rid, tokens, params, prefill_only=True, prefix_kv=prefix,
+                                               num_resumed=index)
+        item = await stream.get()
+        prefill_s = time.time() - t0
+        if item.error is not None:
+            await self._release(lease)
+            await self.publish_error(rid, index, ErrorCode.BAD_REQUEST, str(item.error))
+            return
+        out = item.output
+        if out.finish_reason == FinishReason.ABORT:
+            await self._release(lease)
+            return
+        timing = Timing(queue_s=max(0.0, taken - job.created_at) if job.created_at else 0.0, prefill_s=prefill_s)
+        if out.finish_reason != FinishReason.PREFILLED:  # the first token already ends the request
+            await self._release(lease)
+            await self.publish_final(rid, index, out.new_token_ids, finish_reason=str(out.finish_reason),
+                                     stop_reason=out.stop_reason, prompt_tokens=len(job.prompt_ids),
+                                     completion_tokens=index + 1, cached_tokens=len(hits) * bs, timing=timing)
+            return
+        await self.publish_tokens(rid, index, out.new_token_ids)  # token 1: this is TTFT
+        refs, lease = await self._store_blocks(rid, item.kv_blocks, hits, keys, lease, timing)
+        decode_job = DecodeJob(
+            request_id=rid, token_ids=tokens, first_token=out.new_token_ids[0], params=job.params,
+            store=self.config.kvstore if refs else "", lease_id=lease, blocks=refs,
+            num_cached_tokens=len(hits) * bs, num_prompt_tokens=len(job.prompt_ids), num_resumed=index,
+            created_at=time.time(), deadline=job.deadline, attempt=job.attempt, timing=timing,
+        )
+        await self.js.publish(subjects.DECODE_JOBS, encode(decode_job))
+
+    async def _store_blocks(self, rid: str, blocks: torch.Tensor, hits: list[KVBlockRef], keys: list[bytes],
+                            lease: str, timing: Timing) -> tuple[list[KVBlockRef], str]:
+        """Write the blocks the store does not have yet; returns refs to all blocks and the lease.
+        If the store fails, the DecodeJob goes out without blocks and decode recomputes the prompt."""
+        t0 = time.time()
+        new = blocks[len(hits):]
+        try:
+            alloc = await self.kv.allocate(new.shape[0], lease_id=lease, lease_ttl_s=self.config.lease_ttl_s)
+            lease = alloc.lease_id
+            checksums = await self.kv.write_blocks(lease, alloc.slots, new)
+            new_keys = [keys[i] if i < len(keys) else b"" for i in range(len(hits), blocks.shape[0])]
+            await self.kv.commit(lease, alloc.slots, new_keys, checksums)
+        except KVStoreError as exc:
+            log.warning("request %s: could not store KV (%s); decode will recompute", rid, exc)
+            await self._release(lease)
+            return [], ""
+        timing.kv_write_s = time.time() - t0
+        return hits + [KVBlockRef(s, c) for s, c in zip(alloc.slots, checksums)], lease
+
+    async def _release(self, lease: str) -> None:
+        if lease:
+            try:
+                await self.kv.release(lease)
+            except KVStoreError as exc:
+                log.warning("lease %s not released (%s); it will expire", lease, exc)

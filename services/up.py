@@ -1,0 +1,173 @@
+"""`pdserve up`: the embedded default. Starts, on this machine, `nats-server -js` and `valkey-server`
+(unless `--nats`/`--redis` name existing ones), the kvstore, the workers and the gateway, each a
+child process running the same entry points docker-compose uses; waits until /health is green;
+prints the URL. Ctrl-C / SIGTERM stops everything in reverse order: drain, then exit, no orphans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from shared.cli_args import add_connection_args, env
+from shared.transport.servers import ServerProcess, start_nats, start_valkey
+
+log = logging.getLogger("pdserve.up")
+
+
+def add_up_args(p: argparse.ArgumentParser) -> None:
+    add_connection_args(p)
+    p.set_defaults(nats=None, redis=None)  # none given: start our own
+    p.add_argument("--host", default=env("PDSERVE_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(env("PDSERVE_PORT", "8000")))
+    p.add_argument("--mode", default=env("PDSERVE_MODE", "disaggregated"),
+                   choices=["disaggregated", "colocated", "conditional"])
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (colocated mode: engine workers)")
+    p.add_argument("--model", default=env("PDSERVE_MODEL"))
+    p.add_argument("--dtype", default=env("PDSERVE_DTYPE", "bfloat16"))
+    p.add_argument("--quantization", default=env("PDSERVE_QUANTIZATION", "int8"))
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per engine worker (default: the cores divided among them)")
+    p.add_argument("--api-key", default=env("PDSERVE_API_KEY"))
+    p.add_argument("--kv-network", action="store_true", help="move KV over NATS instead of shared memory")
+    p.add_argument("--workdir", default=None, help="logs and server state (default: a temp dir)")
+    p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker")
+
+
+class Stack:
+    """The child processes of one `pdserve up`, stopped in reverse start order."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.servers: list[ServerProcess] = []
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def spawn(self, name: str, module: str, args: list[str], extra_env: dict[str, str] | None = None) -> None:
+        log_file = open(self.workdir / f"{name}.log", "ab")
+        env_vars = os.environ | (extra_env or {})
+        proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log_file, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env_vars)
+        self.procs.append((name, proc))
+        log.info("started %s (pid %d), log %s", name, proc.pid, log_file.name)
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                tail = (self.workdir / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{tail}")
+
+    def stop(self, timeout: float = 15.0) -> None:
+        for name, proc in reversed(self.procs):  # gateway first, then workers, then the kvstore
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for name, proc in reversed(self.procs):
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in time: killing it", name)
+                proc.kill()
+                proc.wait()
+        for server in reversed(self.servers):
+            server.stop()
+
+
+def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pdserve-up-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    stack = Stack(workdir)
+    try:
+        _start(stack, args)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack, f"http://{args.host}:{args.port}"
+
+
+def _start(stack: Stack, args: argparse.Namespace) -> None:
+    from shared.model.hub import resolve_model_path
+
+    model = str(resolve_model_path(args.model))  # pull the default model once, before the children start
+    nats_url, redis_url = args.nats, args.redis
+    if nats_url is None:
+        server = start_nats(workdir=stack.workdir / "nats", user=args.nats_user, password=args.nats_password,
+                            token=args.nats_token)
+        stack.servers.append(server)
+        nats_url = server.url
+    if redis_url is None:
+        server = start_valkey(workdir=stack.workdir / "valkey", password=args.redis_password)
+        stack.servers.append(server)
+        redis_url = server.url
+    conn = ["--nats", nats_url, "--redis", redis_url]
+    for flag, value in (("--nats-user", args.nats_user), ("--nats-password", args.nats_password),
+                        ("--nats-token", args.nats_token), ("--redis-password", args.redis_password)):
+        if value:
+            conn += [flag, value]
+    store = f"kv-up-{os.getpid()}"
+    model_args = ["--model", model, "--dtype", args.dtype, "--quantization", args.quantization]
+    colocated = args.mode == "colocated"
+    n_engines = args.decode + (0 if colocated else args.prefill)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, n_engines))
+    worker = conn + model_args + ["--kvstore", store, "--threads", str(threads)] + args.worker_arg
+    if args.kv_network:
+        worker.append("--kv-network")
+    if not colocated:
+        stack.spawn("kvstore", "services.kvstore", conn + model_args[:4] + ["--store", store])
+        for i in range(args.prefill):
+            stack.spawn(f"prefill-{i}", "services.prefill", worker + ["--instance", f"prefill-{i}"])
+    for i in range(args.decode):
+        role = "colocated" if colocated else "decode"
+        stack.spawn(f"{role}-{i}", "services.decode", worker + ["--role", role, "--instance", f"{role}-{i}"])
+    gateway = conn + ["--model", model, "--host", args.host, "--port", str(args.port), "--mode", args.mode]
+    if args.api_key:
+        gateway += ["--api-key", args.api_key]
+    stack.spawn("gateway", "services.gateway", gateway)
+
+
+def wait_healthy(stack: Stack, url: str, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stack.check_alive()
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"pdserve did not become healthy within {timeout:.0f} s (logs in {stack.workdir})")
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    stack, url = start_stack(args)
+    try:
+        wait_healthy(stack, url)
+        print(f"pdserve is up ({args.mode}): {url}   logs: {stack.workdir}", flush=True)
+        print(f"""try:  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{{"model": "SmolLM2-135M-Instruct", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "stream": true}}'""",
+              flush=True)
+        while True:
+            stack.check_alive()
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        print("stopping pdserve ...", flush=True)
+        return 0
+    finally:
+        stack.stop()

@@ -1,0 +1,75 @@
+"""Command-line arguments shared by the service entry points (read once at start-up; environment
+variables give the defaults, so docker-compose can configure services without flags)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+from shared.config import EngineConfig, WorkerConfig
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def add_connection_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nats", default=env("PDSERVE_NATS_URL", "nats://127.0.0.1:4222"), help="NATS URL")
+    p.add_argument("--nats-user", default=env("PDSERVE_NATS_USER"))
+    p.add_argument("--nats-password", default=env("PDSERVE_NATS_PASSWORD"))
+    p.add_argument("--nats-token", default=env("PDSERVE_NATS_TOKEN"))
+    p.add_argument("--redis", default=env("PDSERVE_REDIS_URL", "redis://127.0.0.1:6379"), help="Valkey/Redis URL")
+    p.add_argument("--redis-password", default=env("PDSERVE_REDIS_PASSWORD"))
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=env("PDSERVE_MODEL"),
+                   help="GGUF file or Hugging Face model directory (default: SmolLM2-135M-Instruct, pulled on demand)")
+    p.add_argument("--dtype", default=env("PDSERVE_DTYPE", "bfloat16"), help="bfloat16 | float32")
+    p.add_argument("--quantization", default=env("PDSERVE_QUANTIZATION", "int8"),
+                   help="int8 (weight-only int8 projections, the fast CPU default) | none")
+    p.add_argument("--device", default=env("PDSERVE_DEVICE", "cpu"))
+    p.add_argument("--threads", type=int, default=int(env("PDSERVE_THREADS", "0")) or None,
+                   help="torch intra-op threads")
+    p.add_argument("--num-kv-blocks", type=int, default=int(env("PDSERVE_NUM_KV_BLOCKS", "2048")))
+    p.add_argument("--max-num-seqs", type=int, default=int(env("PDSERVE_MAX_NUM_SEQS", "64")))
+    p.add_argument("--max-num-batched-tokens", type=int, default=int(env("PDSERVE_MAX_NUM_BATCHED_TOKENS", "512")))
+    p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
+        quantization=None if args.quantization in ("none", "") else args.quantization,
+        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=not args.no_chunked_prefill, enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    add_connection_args(p)
+    add_engine_args(p)
+    p.add_argument("--instance", default=env("PDSERVE_INSTANCE"), help="unique name (default: host-pid)")
+    p.add_argument("--kvstore", default=env("PDSERVE_KVSTORE", f"kv-{socket.gethostname()}"),
+                   help="name of this host's kvstore")
+    p.add_argument("--kv-network", action="store_true", default=env("PDSERVE_KV_NETWORK") == "1",
+                   help="move KV over NATS instead of shared memory (a store on another host)")
+    p.add_argument("--kv-failure-policy", default=env("PDSERVE_KV_FAILURE_POLICY", "recompute"),
+                   choices=["recompute", "fail"])
+    p.add_argument("--max-inflight", type=int, default=int(env("PDSERVE_MAX_INFLIGHT", "4")))
+    p.add_argument("--ack-wait", type=float, default=float(env("PDSERVE_ACK_WAIT", "30")))
+    p.add_argument("--max-deliver", type=int, default=int(env("PDSERVE_MAX_DELIVER", "3")))
+
+
+def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
+    return WorkerConfig(
+        role=role, instance=args.instance or f"{role}-{socket.gethostname()}-{os.getpid()}",
+        engine=engine_config(args), nats_url=args.nats, nats_user=args.nats_user,
+        nats_password=args.nats_password, nats_token=args.nats_token, redis_url=args.redis,
+        redis_password=args.redis_password, kvstore=args.kvstore, kv_use_shm=not args.kv_network,
+        kv_failure_policy=args.kv_failure_policy, max_inflight=args.max_inflight, ack_wait_s=args.ack_wait,
+        max_deliver=args.max_deliver,
+    )

@@ -1,0 +1,42 @@
+"""Liveness and load, published every tick: `WorkerStats` on NATS (the gateway's /metrics) and a
+registry entry with a TTL in Valkey (the gateway's /health and routing). Either may be down for a
+while: errors are logged and the next tick tries again."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from shared.protocol import subjects
+from shared.protocol.messages import WorkerStats, encode
+
+log = logging.getLogger(__name__)
+
+
+async def heartbeat(nc, redis, stats: Callable[[], WorkerStats], stop: asyncio.Event,
+                    interval: float = 1.0, ttl: float = 5.0) -> None:
+    while not stop.is_set():
+        s = stats()
+        s.ts = time.time()
+        data = encode(s)
+        try:
+            await nc.publish(subjects.stats(s.role, s.instance), data)
+        except Exception as exc:
+            log.warning("stats publish failed: %s", exc)
+        if redis is not None:
+            try:
+                await redis.set(subjects.registry_key(s.role, s.instance), data, px=int(ttl * 1000))
+            except Exception as exc:
+                log.warning("registry update failed: %s", exc)
+        try:
+            await asyncio.wait_for(stop.wait(), interval)
+        except asyncio.TimeoutError:
+            pass
+    if redis is not None:  # leave the registry at once on a clean exit
+        try:
+            s = stats()
+            await redis.delete(subjects.registry_key(s.role, s.instance))
+        except Exception as exc:
+            log.warning("registry removal failed: %s", exc)

@@ -1,0 +1,177 @@
+"""What every engine worker (prefill, decode, colocated) shares: connections, heartbeat, the cancel
+listener, and publishing token events. The services add their own job loops on top."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+
+from shared.config import WorkerConfig
+from shared.engine.async_engine import AsyncEngine
+from shared.engine.engine import LLMEngine
+from shared.protocol import subjects
+from shared.protocol.messages import Cancel, ErrorCode, Timing, TokenEvent, Usage, WorkerStats, decode, encode
+from shared.transport import nats_bus, valkey
+from shared.transport.heartbeat import heartbeat
+from shared.transport.kv_client import KVStoreClient, KVStoreError
+
+log = logging.getLogger(__name__)
+
+
+class CancelledSet:
+    """Request ids cancelled recently (a cancel may arrive before the job does): bounded, FIFO."""
+
+    def __init__(self, capacity: int = 100_000):
+        self._ids: OrderedDict[str, float] = OrderedDict()
+        self.capacity = capacity
+
+    def add(self, request_id: str) -> None:
+        self._ids[request_id] = time.monotonic()
+        while len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._ids
+
+
+class WorkerRuntime:
+    def __init__(self, config: WorkerConfig, engine: LLMEngine):
+        self.config = config
+        self.engine = engine
+        self.async_engine = AsyncEngine(engine)
+        self.cancelled = CancelledSet()
+        self.nc = None
+        self.js = None
+        self.redis = None
+        self.stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    async def start(self) -> None:
+        c = self.config
+        self.nc = await nats_bus.connect(c.nats_url, f"{c.role}-{c.instance}", user=c.nats_user,
+                                         password=c.nats_password, token=c.nats_token)
+        self.js = self.nc.jetstream()
+        await nats_bus.ensure_streams(self.js)
+        self.redis = valkey.connect(c.redis_url, c.redis_password)
+        await self.nc.subscribe(subjects.CANCEL_ALL, cb=self._on_cancel)
+        self._tasks = [asyncio.create_task(self.async_engine.run(self.stop), name="engine"),
+                       asyncio.create_task(heartbeat(self.nc, self.redis, self.stats, self.stop), name="heartbeat")]
+
+    async def _on_cancel(self, msg) -> None:
+        try:
+            cancel = decode(msg.data, Cancel)
+        except Exception as exc:
+            log.warning("malformed cancel on %s: %s", msg.subject, exc)
+            return
+        self.cancelled.add(cancel.request_id)
+        self.async_engine.abort(cancel.request_id)
+        self.on_cancel(cancel.request_id)
+
+    def on_cancel(self, request_id: str) -> None:
+        """Services override to drop work that is not in the engine yet (e.g. a KV transfer)."""
+
+    def stats(self) -> WorkerStats:
+        pool = self.engine.pool
+        sched = self.engine.scheduler
+        return WorkerStats(role=self.config.role, instance=self.config.instance, running=len(sched.running),
+                           waiting=len(sched.waiting), kv_blocks_total=pool.num_blocks,
+                           kv_blocks_in_use=pool.num_used_blocks, kv_blocks_cached=pool.num_cached_blocks,
+                           prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits,
+                           free_slots=max(0, self.engine.config.max_num_seqs - self.async_engine.num_requests))
+
+    async def publish_tokens(self, request_id: str, index: int, token_ids: list[int], **fields) -> None:
+        event = TokenEvent(request_id=request_id, index=index, token_ids=token_ids, worker=self.config.instance,
+                           **fields)
+        await self.nc.publish(subjects.tokens(request_id), encode(event))
+
+    async def publish_error(self, request_id: str, index: int, code: ErrorCode, message: str) -> None:
+        log.warning("request %s fails: %s", request_id, message)
+        await self.publish_tokens(request_id, index, [], finished=True, finish_reason="error", error_code=code,
+                                  error=message)
+
+    async def publish_final(self, request_id: str, index: int, token_ids: list[int], *, finish_reason: str,
+                            stop_reason, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+                            timing: Timing | None) -> None:
+        await self.publish_tokens(
+            request_id, index, token_ids, finished=True, finish_reason=finish_reason, stop_reason=stop_reason,
+            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached_tokens),
+            timing=timing)
+
+    async def shutdown(self) -> None:
+        self.stop.set()
+        for task in self._tasks:
+            try:
+                await asyncio.wait_for(task, 10)
+            except Exception as exc:
+                log.warning("task %s ended with %r", task.get_name(), exc)
+        if self.nc is not None:
+            try:
+                await self.nc.drain()
+            except Exception as exc:
+                log.warning("NATS drain failed: %s", exc)
+        if self.redis is not None:
+            await self.redis.aclose()
+
+
+async def attach_kvstore(nc, config: WorkerConfig, engine: LLMEngine) -> KVStoreClient:
+    """Attach to this host's kvstore, waiting for it to come up, and check the block layout."""
+    client = KVStoreClient(nc, config.kvstore, use_shm=config.kv_use_shm)
+    while True:
+        try:
+            info = await client.attach()
+            break
+        except KVStoreError as exc:
+            log.info("waiting for kvstore %s: %s", config.kvstore, exc)
+            await asyncio.sleep(0.5)
+    expected = engine.kv_cache.block_bytes
+    if info.block_bytes != expected:
+        raise SystemExit(f"kvstore {config.kvstore} keeps {info.block_bytes}-byte blocks ({info.layout}), "
+                         f"this worker's KV blocks are {expected} bytes: start both with the same model and dtype")
+    return client
+
+
+async def keep_in_progress(msg, ack_wait: float) -> None:
+    """Tell JetStream the job is alive while a long prefill runs (else it would be redelivered)."""
+    while True:
+        await asyncio.sleep(ack_wait / 3)
+        await safe(msg.in_progress())
+
+
+async def wait_any(*events: asyncio.Event) -> None:
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for w in waiters:
+        w.cancel()
+
+
+async def safe(coro) -> None:
+    try:
+        await coro
+    except Exception as exc:
+        log.warning("NATS ack/nak failed: %s", exc)
+
+
+async def run_worker(worker: WorkerRuntime, grace_s: float = 10.0) -> None:
+    """Run until SIGTERM/SIGINT, then drain: stop taking jobs, let running requests finish (up to
+    `grace_s`), close connections."""
+    import signal
+
+    loop = asyncio.get_running_loop()
+    draining = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, draining.set)
+    job_loop = asyncio.create_task(worker.run())
+    done, _ = await asyncio.wait({job_loop, asyncio.ensure_future(draining.wait())},
+                                 return_when=asyncio.FIRST_COMPLETED)
+    if job_loop in done:
+        job_loop.result()  # a fatal error: raise it
+    job_loop.cancel()
+    log.info("draining: %d requests in flight", worker.async_engine.num_requests)
+    deadline = loop.time() + grace_s
+    while worker.async_engine.num_requests and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    await worker.shutdown()
