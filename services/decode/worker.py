@@ -93,6 +93,7 @@ class DecodeWorker(WorkerRuntime):
             await self._release(job)
             await msg.ack()
             return
+        log.info("took request %s (%d tokens, %d blocks)", rid, len(job.token_ids), len(job.blocks))
         index = job.num_resumed + 1  # the first token was published by the prefill worker
         try:
             params = to_params(job.params, num_resumed=job.num_resumed)
@@ -163,6 +164,7 @@ class DecodeWorker(WorkerRuntime):
             await self.publish_error(rid, index, ErrorCode.BAD_REQUEST, str(exc))
             await msg.ack()
             return
+        log.info("took request %s (%d tokens, whole)", rid, len(job.prompt_ids) + index)
         stream = self.async_engine.add_request(rid, job.prompt_ids + job.resume_ids, params, num_resumed=index)
         await msg.ack()
         timing = Timing(queue_s=max(0.0, taken - job.created_at) if job.created_at else 0.0)

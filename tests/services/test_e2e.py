@@ -1,0 +1,212 @@
+"""End to end: real nats-server, valkey-server, kvstore, prefill, decode and gateway processes, the
+real model, real HTTP. What a user of `pdserve up` sees."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import threading
+import time
+
+import httpx
+import pytest
+
+from services.up import add_up_args, start_stack, wait_healthy
+from shared.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from shared.model.chat_template import render_chat
+from shared.model.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+QUESTION = "What is the capital of France?"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def up(tmp_path_factory, *extra: str):
+    """Start a pdserve stack with its own nats-server and valkey-server (fp32 so greedy output
+    cannot depend on batch composition)."""
+    from shared.transport.servers import free_port
+
+    parser = argparse.ArgumentParser()
+    add_up_args(parser)
+    args = parser.parse_args(["--port", str(free_port()), "--dtype", "float32", "--quantization", "none",
+                              "--workdir", str(tmp_path_factory.mktemp("stack")), *extra])
+    stack, url = start_stack(args)
+    try:
+        wait_healthy(stack, url, timeout=120)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack, url
+
+
+@pytest.fixture(scope="module")
+def disagg_stack(tmp_path_factory):
+    stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "2")
+    yield stack, url
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def disagg(disagg_stack):
+    return disagg_stack[1]
+
+
+def chat(url: str, content: str, max_tokens: int = 32, **extra) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0.0, **extra}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream_chat(url: str, content: str, max_tokens: int = 32, **extra) -> tuple[str, list[dict]]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}, **extra}
+    chunks, text = [], ""
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        chunk = json.loads(line[6:])
+        assert "error" not in chunk, chunk
+        chunks.append(chunk)
+        for choice in chunk["choices"]:
+            text += choice["delta"].get("content") or ""
+    return text, chunks
+
+
+def metric_values(url: str, name: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        m = re.match(rf"^{name}(\{{[^}}]*\}})?\s+([0-9.eE+-]+)$", line)
+        if m:
+            out[m.group(1) or ""] = float(m.group(2))
+    return out
+
+
+def offline_greedy(content: str, max_tokens: int) -> str:
+    engine = LLMEngine.from_config(EngineConfig(dtype="float32", num_kv_blocks=128))
+    tok = engine.tokenizer
+    ids = tok.encode(render_chat(tok.chat_template, [{"role": "user", "content": content}]), add_special_tokens=False)
+    [out] = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    return out.text
+
+
+def test_streaming_chat_answers_with_the_real_model(disagg):
+    text, chunks = stream_chat(disagg, QUESTION)
+    assert "Paris" in text
+    assert chunks[0]["choices"][0]["delta"].get("role") == "assistant"
+    usage = chunks[-1]["usage"]
+    assert usage["completion_tokens"] > 0 and usage["prompt_tokens"] > 20
+    assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_greedy_output_matches_offline_engine(disagg):
+    prompts = [QUESTION, "Write one sentence about the sea.", "List three fruits."]
+    for p in prompts:
+        assert chat(disagg, p, max_tokens=24)["choices"][0]["message"]["content"] == offline_greedy(p, 24)
+
+
+def test_openai_client_unmodified(disagg):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{disagg}/v1", api_key="unused")
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                          max_tokens=24, temperature=0)
+    assert "Paris" in resp.choices[0].message.content
+    assert resp.usage.completion_tokens > 0
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=24, temperature=0, stream=True)
+        if c.choices]
+    assert "".join(pieces) == resp.choices[0].message.content
+    comp = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert comp.choices[0].text.strip()
+    assert [m.id for m in client.models.list().data]
+
+
+def test_prefix_reuse_reports_cached_tokens(disagg):
+    document = " ".join(f"Fact {i}: the number {i} squared is {i * i}." for i in range(60))  # ~900 tokens
+    first = chat(disagg, document + "\nWhat is fact 3?", max_tokens=8)
+    second = chat(disagg, document + "\nWhat is fact 7?", max_tokens=8)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 800 and cached % 16 == 0
+    hits = metric_values(disagg, "pdserve_prefix_cache_hits_total")
+    assert sum(hits.values()) * 16 >= cached
+
+
+def test_two_decode_workers_share_concurrent_load(disagg_stack):
+    stack, disagg = disagg_stack
+    results = []
+
+    def one(i):
+        results.append(chat(disagg, f"Count from {i} to {i + 5}.", max_tokens=12))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 8
+    # each decode worker logs the requests it takes: both must have taken some
+    taken = {i: (stack.workdir / f"decode-{i}.log").read_text().count("took request") for i in range(2)}
+    assert all(n > 0 for n in taken.values()), taken
+
+
+def test_cancellation_frees_every_block(disagg):
+    def disconnect_midway(i):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"Tell me a long story number {i}."}],
+                "max_tokens": 400, "temperature": 0.0, "stream": True}
+        with httpx.stream("POST", f"{disagg}/v1/chat/completions", json=body, timeout=60) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if n >= 3:
+                    break  # closing the response here is the client going away
+
+    threads = [threading.Thread(target=disconnect_midway, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        in_use = metric_values(disagg, "pdserve_kv_blocks_in_use")
+        workers = {k: v for k, v in in_use.items() if 'service="gateway"' not in k}
+        if workers and all(v == 0 for v in workers.values()):
+            break
+        time.sleep(0.5)
+    assert workers and all(v == 0 for v in workers.values()), in_use
+    assert {'prefill', 'decode', 'kvstore'} <= {re.search(r'service="(\w+)"', k).group(1) for k in workers}
+    assert "Paris" in chat(disagg, QUESTION)["choices"][0]["message"]["content"]  # still serving
+
+
+def test_bad_requests_get_clear_errors(disagg):
+    cases = [
+        ({"model": MODEL, "messages": []}, 400),
+        ({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}, 404),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, 400),
+    ]
+    for body, status in cases:
+        r = httpx.post(f"{disagg}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == status, (body, r.text)
+        assert r.json()["error"]["message"]
+    r = httpx.post(f"{disagg}/v1/chat/completions", content=b"{not json", timeout=30,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400
+    assert httpx.get(f"{disagg}/health", timeout=10).status_code == 200
+
+
+def test_colocated_and_network_kv_give_identical_tokens(disagg, tmp_path_factory):
+    prompts = [QUESTION, "Name two planets."]
+    expected = [chat(disagg, p, max_tokens=20)["choices"][0]["message"]["content"] for p in prompts]
+    for extra in (("--mode", "colocated", "--decode", "1"), ("--kv-network", "--prefill", "1", "--decode", "1")):
+        stack, url = up(tmp_path_factory, *extra)
+        try:
+            got = [chat(url, p, max_tokens=20)["choices"][0]["message"]["content"] for p in prompts]
+        finally:
+            stack.stop()
+        assert got == expected, extra
