@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast bench model clean
+.PHONY: install run generate test test-fast bench model clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,10 @@ install: $(VENV)/.installed
 model: install
 	$(BIN)/pdserve model pull
 
-run: install
+run: install model
+	$(BIN)/pdserve up
+
+generate: install model
 	$(BIN)/pdserve generate --chat --stats "What is the capital of France? Answer in one sentence."
 
 test: install model

@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 
 from shared.cli_args import add_connection_args, env
-from shared.transport.servers import ServerProcess, start_nats, start_valkey
+from shared.transport.servers import ServerProcess, die_with_parent, start_nats, start_valkey
 
 log = logging.getLogger("pdserve.up")
 
@@ -39,6 +39,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="torch threads per engine worker (default: the cores divided among them)")
     p.add_argument("--api-key", default=env("PDSERVE_API_KEY"))
     p.add_argument("--kv-network", action="store_true", help="move KV over NATS instead of shared memory")
+    p.add_argument("--kv-slots", type=int, default=1024, help="kvstore blocks (bf16: 360 KiB each)")
     p.add_argument("--workdir", default=None, help="logs and server state (default: a temp dir)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker")
 
@@ -55,7 +56,8 @@ class Stack:
         log_file = open(self.workdir / f"{name}.log", "ab")
         env_vars = os.environ | (extra_env or {})
         proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log_file, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=env_vars)
+                                stdin=subprocess.DEVNULL, env=env_vars, preexec_fn=die_with_parent,
+                                start_new_session=True)  # Ctrl-C reaches `up` only; it stops them in order
         self.procs.append((name, proc))
         log.info("started %s (pid %d), log %s", name, proc.pid, log_file.name)
 
@@ -107,11 +109,12 @@ def _start(stack: Stack, args: argparse.Namespace) -> None:
         server = start_valkey(workdir=stack.workdir / "valkey", password=args.redis_password)
         stack.servers.append(server)
         redis_url = server.url
-    conn = ["--nats", nats_url, "--redis", redis_url]
+    auth = []
     for flag, value in (("--nats-user", args.nats_user), ("--nats-password", args.nats_password),
                         ("--nats-token", args.nats_token), ("--redis-password", args.redis_password)):
         if value:
-            conn += [flag, value]
+            auth += [flag, value]
+    conn = ["--nats", nats_url, "--redis", redis_url, *auth]
     store = f"kv-up-{os.getpid()}"
     model_args = ["--model", model, "--dtype", args.dtype, "--quantization", args.quantization]
     colocated = args.mode == "colocated"
@@ -121,7 +124,9 @@ def _start(stack: Stack, args: argparse.Namespace) -> None:
     if args.kv_network:
         worker.append("--kv-network")
     if not colocated:
-        stack.spawn("kvstore", "services.kvstore", conn + model_args[:4] + ["--store", store])
+        stack.spawn("kvstore", "services.kvstore", ["--nats-url", nats_url, "--redis-url", redis_url, *auth,
+                                                     *model_args[:4], "--store", store,
+                                                     "--num-slots", str(args.kv_slots)])
         for i in range(args.prefill):
             stack.spawn(f"prefill-{i}", "services.prefill", worker + ["--instance", f"prefill-{i}"])
     for i in range(args.decode):

@@ -88,9 +88,21 @@ class ServerProcess:
         wait_for_port(self.port, proc=self.proc)
 
 
+def die_with_parent() -> None:
+    """preexec_fn: on Linux, the child gets SIGTERM when its parent dies, however it dies (no
+    orphaned servers after a killed test run or a crashed `pdserve up`)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _spawn(args: list[str], workdir: Path, name: str) -> subprocess.Popen:
     log_file = open(workdir / f"{name}.log", "ab")
-    return subprocess.Popen(args, cwd=workdir, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    return subprocess.Popen(args, cwd=workdir, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            preexec_fn=die_with_parent, start_new_session=True)
 
 
 def start_nats(port: int | None = None, workdir: str | Path | None = None, *, user: str | None = None,

@@ -109,10 +109,11 @@ class WorkerRuntime:
             except Exception as exc:
                 log.warning("task %s ended with %r", task.get_name(), exc)
         if self.nc is not None:
-            try:
-                await self.nc.drain()
+            try:  # NATS may be gone already (stopped first, or restarting): don't wait for it forever
+                await asyncio.wait_for(self.nc.drain(), 3.0)
             except Exception as exc:
-                log.warning("NATS drain failed: %s", exc)
+                log.warning("NATS drain failed (%r); closing", exc)
+                await self.nc.close()
         if self.redis is not None:
             await self.redis.aclose()
 

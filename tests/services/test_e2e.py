@@ -132,7 +132,8 @@ def test_prefix_reuse_reports_cached_tokens(disagg):
     document = " ".join(f"Fact {i}: the number {i} squared is {i * i}." for i in range(60))  # ~900 tokens
     first = chat(disagg, document + "\nWhat is fact 3?", max_tokens=8)
     second = chat(disagg, document + "\nWhat is fact 7?", max_tokens=8)
-    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # only the chat template's system-prompt head can be cached from earlier requests
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] <= 32
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= 800 and cached % 16 == 0
     hits = metric_values(disagg, "pdserve_prefix_cache_hits_total")
