@@ -64,8 +64,8 @@ class GatewayConfig:
             raise ValueError("gateway config: registry_cache_s and shutdown_grace_s must be >= 0")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"gateway config: max_model_len must be > 1, got {self.max_model_len}")
-        if not self.instance or "." in self.instance:
-            raise ValueError(f"gateway config: instance must be a non-empty name without dots, got {self.instance!r}")
+        if not self.instance:
+            raise ValueError("gateway config: instance must be a non-empty name")
         if self.api_key == "":
             self.api_key = None
 

@@ -43,8 +43,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def unsupported(param: str, detail: str = "is not supported") -> APIError:
-    return APIError(400, f"'{param}' {detail} by this server", param=param, code="unsupported_parameter")
+def unsupported(param: str, detail: str = "is not supported by this server") -> APIError:
+    return APIError(400, f"'{param}' {detail}", param=param, code="unsupported_parameter")
 
 
 def too_many_requests(limit: int) -> APIError:
@@ -89,7 +89,7 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     if first.get("type") == "missing":
         message = f"'{path}' is required"
     elif path:
-        message = f"'{path}': {first.get('msg', 'invalid value')}"
+        message = f"'{path}': {str(first.get('msg', 'invalid value')).removeprefix('Value error, ')}"
     else:
         message = str(first.get("msg", "invalid request body"))
     return bad_request(message, param=param)

@@ -8,7 +8,8 @@ ids. Then the context check: prompt + max_tokens must fit in the model's context
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.errors import APIError, bad_request
@@ -22,9 +23,11 @@ _ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system ro
 
 @dataclass
 class ModelInfo:
-    name: str  # what /v1/models lists and requests must name
+    name: str  # what /v1/models lists
     max_model_len: int
     tokenizer: Tokenizer
+    aliases: frozenset[str] = frozenset()  # other names requests may use (file name, path as given)
+    created: int = field(default_factory=lambda: int(time.time()))  # unix time it was loaded
 
 
 @dataclass
@@ -36,7 +39,7 @@ class PreparedRequest:
 
 
 def check_model(requested: str | None, model: ModelInfo) -> None:
-    if requested is not None and requested != model.name:
+    if requested is not None and requested != model.name and requested not in model.aliases:
         raise APIError(404, f"The model '{requested}' does not exist; this server serves '{model.name}'",
                        param="model", code="model_not_found")
 

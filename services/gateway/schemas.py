@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, field_validator
 
 from services.gateway.errors import APIError, bad_request, unsupported, validation_error
 
@@ -51,9 +51,10 @@ class GenerationRequest(_Strict):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
 
-    @field_validator("stop")
+    @field_validator("stop", mode="wrap")
     @classmethod
-    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+    def _check_stop(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> str | list[str] | None:
+        stop = _one_of(value, handler, "a string or a list of strings")
         stops = [stop] if isinstance(stop, str) else (stop or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(stops)}")
@@ -71,12 +72,12 @@ class GenerationRequest(_Strict):
 
     def unsupported_param(self) -> APIError | None:
         if self.n is not None and self.n != 1:
-            return unsupported("n", f"= {self.n} is not supported (only n=1 is)")
+            return unsupported("n", f"= {self.n} is not supported: one choice per request (n=1)")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
-                return unsupported(name, "other than 0 is not supported")
+                return unsupported(name, "other than 0 is not supported by this server")
         if self.repetition_penalty not in (None, 1, 1.0):
-            return unsupported("repetition_penalty", "other than 1 is not supported")
+            return unsupported("repetition_penalty", "other than 1 is not supported by this server")
         if self.logit_bias:
             return unsupported("logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -91,6 +92,11 @@ class CompletionRequest(GenerationRequest):
     suffix: str | None = None
     best_of: int | None = None
 
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _check_prompt(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        return _one_of(value, handler, "a string, a list of token ids, or a list holding one of those")
+
     def unsupported_param(self) -> APIError | None:
         if self.echo:
             return unsupported("echo")
@@ -99,7 +105,7 @@ class CompletionRequest(GenerationRequest):
         if self.suffix:
             return unsupported("suffix")
         if self.best_of not in (None, 1):
-            return unsupported("best_of", "other than 1 is not supported")
+            return unsupported("best_of", "other than 1 is not supported by this server")
         return super().unsupported_param()
 
 
@@ -123,12 +129,22 @@ class ChatCompletionRequest(GenerationRequest):
         if self.tool_choice not in (None, "none", "auto"):
             return unsupported("tool_choice")
         if self.response_format is not None and self.response_format.get("type") != "text":
-            return unsupported("response_format", "other than {'type': 'text'} is not supported")
+            return unsupported("response_format", "other than {'type': 'text'} is not supported by this server")
         return super().unsupported_param()
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def _one_of(value: Any, handler: ValidatorFunctionWrapHandler, expected: str) -> Any:
+    """A union's type error as one sentence, instead of one complaint per branch."""
+    try:
+        return handler(value)
+    except ValidationError as exc:
+        if any(e["type"] != "missing" for e in exc.errors()):
+            raise ValueError(f"must be {expected}") from None
+        raise
 
 
 def parse(model: type[GenerationRequest], payload: Any) -> Any:

@@ -1,0 +1,87 @@
+"""`python -m services.gateway`: the OpenAI-compatible HTTP front of pdserve.
+
+Environment variables are read here, once (flags win over them), and become a GatewayConfig.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+
+from services.gateway.config import MODES, GatewayConfig
+from services.gateway.server import serve
+from shared.cli_args import add_connection_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    defaults = GatewayConfig()
+    p = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__.splitlines()[0])
+    p.add_argument("--host", default=env("PDSERVE_GATEWAY_HOST", defaults.host))
+    p.add_argument("--port", type=int, default=int(env("PDSERVE_GATEWAY_PORT", defaults.port)))
+    p.add_argument("--instance", default=env("PDSERVE_INSTANCE", f"gateway-{socket.gethostname()}"),
+                   help="this gateway's label in /metrics")
+    add_connection_args(p)  # --nats, --redis and their credentials, as every service takes them
+    p.add_argument("--model", default=env("PDSERVE_MODEL"),
+                   help="GGUF file or Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=env("PDSERVE_SERVED_MODEL_NAME"))
+    p.add_argument("--max-model-len", type=int, default=_int_or_none(env("PDSERVE_MAX_MODEL_LEN")))
+    p.add_argument("--mode", choices=MODES, default=env("PDSERVE_MODE", defaults.mode))
+    p.add_argument("--conditional-threshold", type=int,
+                   default=int(env("PDSERVE_CONDITIONAL_THRESHOLD", defaults.conditional_threshold)))
+    p.add_argument("--max-concurrent-requests", type=int,
+                   default=int(env("PDSERVE_MAX_CONCURRENT_REQUESTS", defaults.max_concurrent_requests)))
+    p.add_argument("--max-body-bytes", type=int, default=int(env("PDSERVE_MAX_BODY_BYTES", defaults.max_body_bytes)))
+    p.add_argument("--default-max-tokens", type=int,
+                   default=int(env("PDSERVE_DEFAULT_MAX_TOKENS", defaults.default_max_tokens)))
+    p.add_argument("--inactivity-timeout", type=float,
+                   default=float(env("PDSERVE_INACTIVITY_TIMEOUT", defaults.inactivity_timeout_s)))
+    p.add_argument("--request-timeout", type=float,
+                   default=float(env("PDSERVE_REQUEST_TIMEOUT", defaults.request_timeout_s)))
+    p.add_argument("--api-key", default=env("PDSERVE_API_KEY"))
+    p.add_argument("--log-level", default=env("PDSERVE_LOG_LEVEL", defaults.log_level))
+    return p
+
+
+def _int_or_none(value: str | None) -> int | None:
+    return int(value) if value else None
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(
+        host=args.host, port=args.port, instance=args.instance, nats_url=args.nats, nats_user=args.nats_user,
+        nats_password=args.nats_password, nats_token=args.nats_token, redis_url=args.redis,
+        redis_password=args.redis_password, model=args.model, served_model_name=args.served_model_name,
+        max_model_len=args.max_model_len, mode=args.mode, conditional_threshold=args.conditional_threshold,
+        max_concurrent_requests=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes,
+        default_max_tokens=args.default_max_tokens, inactivity_timeout_s=args.inactivity_timeout,
+        request_timeout_s=args.request_timeout, api_key=args.api_key, log_level=args.log_level,
+    )
+
+
+async def _run(config: GatewayConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)  # signal → Event → stop taking work → drain → close
+    await serve(config, stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(_run(config_from_args(args)))
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        print(f"gateway: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The gateway app: `create_app(config)` wires the state (NATS, JetStream, Valkey, tokenizer, worker
+view, metrics, admission) in the lifespan and mounts the routes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from redis.exceptions import RedisError
+
+from services.gateway.admission import Admission
+from services.gateway.config import GatewayConfig
+from services.gateway.dispatch import Dispatcher
+from services.gateway.errors import install_handlers, service_unavailable
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.prompts import ModelInfo
+from services.gateway.routes import router
+from services.gateway.workers import WorkerView
+from shared.model.hub import DEFAULT_MODEL_ID, default_model_path, resolve_model_path
+from shared.model.loader import open_checkpoint
+from shared.model.tokenizer import Tokenizer
+from shared.transport import nats_bus, valkey
+
+log = logging.getLogger(__name__)
+
+
+def load_model_info(config: GatewayConfig) -> ModelInfo:
+    """Tokenizer and context length only (metadata: no weights are read)."""
+    path = resolve_model_path(config.model)
+    tokenizer = Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf(path)
+    max_model_len = open_checkpoint(path).config.max_model_len
+    if config.max_model_len is not None:  # a smaller context (as the workers may be configured), never a larger one
+        max_model_len = min(max_model_len, config.max_model_len)
+    name = config.served_model_name or default_model_name(path)
+    aliases = frozenset({name, path.name, path.stem, str(config.model or DEFAULT_MODEL_ID)})
+    return ModelInfo(name=name, max_model_len=max_model_len, tokenizer=tokenizer, aliases=aliases)
+
+
+def default_model_name(path: Path) -> str:
+    """The default model is "SmolLM2-135M-Instruct" however it was named (None, the id, or its cached
+    file, which is what `pdserve up` passes); any other checkpoint is named by its file/directory."""
+    if path.resolve() == default_model_path().resolve():
+        return DEFAULT_MODEL_ID
+    return path.name if path.is_dir() else path.stem
+
+
+@dataclass
+class GatewayState:
+    config: GatewayConfig
+    model: ModelInfo
+    nc: NATS
+    js: JetStreamContext
+    redis: aioredis.Redis
+    workers: WorkerView
+    admission: Admission
+    metrics: GatewayMetrics
+    dispatcher: Dispatcher
+
+    @classmethod
+    async def start(cls, config: GatewayConfig) -> GatewayState:
+        model = await asyncio.to_thread(load_model_info, config)
+        log.info("serving %s (context %d tokens) in %s mode", model.name, model.max_model_len, config.mode)
+        nc = await nats_bus.connect(config.nats_url, config.instance, user=config.nats_user,
+                                    password=config.nats_password, token=config.nats_token)
+        try:
+            js = nc.jetstream()
+            await nats_bus.ensure_streams(js)
+            redis = valkey.connect(config.redis_url, config.redis_password)
+            try:
+                await redis.ping()
+            except (RedisError, OSError) as exc:  # a hint store: heartbeats on NATS still tell liveness
+                log.warning("Valkey at %s is not answering (%s); continuing", config.redis_url, exc)
+            workers = WorkerView(redis, alive_s=config.worker_alive_s, stats_ttl_s=config.worker_stats_ttl_s,
+                                 registry_cache_s=config.registry_cache_s)
+            await workers.start(nc)
+        except BaseException:
+            await nc.close()
+            raise
+        admission = Admission(config.max_concurrent_requests)
+        metrics = GatewayMetrics(config.instance, lambda: (admission.in_flight, admission.awaiting_first_token),
+                                 workers.recent_stats)
+        return cls(config, model, nc, js, redis, workers, admission, metrics, Dispatcher(nc, js, config))
+
+    async def stop(self) -> None:
+        await self.workers.stop()
+        try:
+            await asyncio.wait_for(self.nc.drain(), timeout=5.0)
+        except Exception as exc:  # shutting down anyway: say why the drain did not finish
+            log.warning("NATS drain failed: %s", exc)
+            await self.nc.close()
+        await self.redis.aclose()
+
+    async def require_workers(self) -> dict[str, list[str]]:
+        """Live workers by role; 503 unless every role the mode needs has one."""
+        missing, alive = await self.workers.missing_roles(self.config.required_roles)
+        if missing:
+            raise service_unavailable(f"no live {' or '.join(missing)} worker ({self.config.mode} mode); "
+                                      "retry shortly", code="no_workers")
+        return alive
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        try:
+            state = await GatewayState.start(config)
+        except Exception as exc:
+            app.state.startup_error = exc  # serve() re-raises it (uvicorn would only sys.exit)
+            log.exception("gateway failed to start")
+            raise
+        app.state.gateway = state
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    app = FastAPI(title="pdserve gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.config = config
+    app.state.startup_error = None
+    install_handlers(app)
+    app.include_router(router)
+    return app

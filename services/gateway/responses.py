@@ -1,0 +1,87 @@
+"""The JSON shapes of OpenAI's API, built from our steps (one choice: n=1).
+
+    chat, streaming:        chat.completion.chunk  delta {"role": "assistant", "content": ""} first,
+                            then delta {"content": ...}, then delta {} with finish_reason
+    completions, streaming: text_completion        choices[0].text deltas, then finish_reason
+    include_usage:          one more chunk with "choices": [] and "usage"
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.protocol.messages import Usage
+
+
+@dataclass
+class ResponseMeta:
+    kind: str  # "chat" | "completion"
+    request_id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def id(self) -> str:
+        return f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{self.request_id}"
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+
+    def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": choices}
+
+
+def usage_dict(usage: Usage) -> dict[str, Any]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def role_chunk(meta: ResponseMeta) -> dict[str, Any]:
+    return meta.envelope(meta.chunk_object, [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                               "logprobs": None, "finish_reason": None}])
+
+
+def text_chunk(meta: ResponseMeta, text: str, finish_reason: str | None = None,
+               stop_reason: str | int | None = None) -> dict[str, Any]:
+    choice: dict[str, Any]
+    if meta.kind == "chat":
+        choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
+                  "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason  # vLLM's extension: the stop string / token id that matched
+    return meta.envelope(meta.chunk_object, [choice])
+
+
+def usage_chunk(meta: ResponseMeta, usage: Usage) -> dict[str, Any]:
+    chunk = meta.envelope(meta.chunk_object, [])
+    chunk["usage"] = usage_dict(usage)
+    return chunk
+
+
+def full_response(meta: ResponseMeta, text: str, finish_reason: str, stop_reason: str | int | None,
+                  usage: Usage) -> dict[str, Any]:
+    if meta.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason, "stop_reason": stop_reason}
+        body = meta.envelope("chat.completion", [choice])
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
+        body = meta.envelope("text_completion", [choice])
+    body["usage"] = usage_dict(usage)
+    return body
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

@@ -1,0 +1,166 @@
+"""HTTP routes. A generation request goes:
+
+    auth → admit (429) → read body (413/415/400) → validate (400/404) → tokenize, size (400)
+         → live workers? (503) → subscribe + publish job → SSE stream | one JSON body
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from services.gateway import schemas
+from services.gateway.errors import APIError, bad_request
+from services.gateway.generation import Generation
+from services.gateway.metrics import CONTENT_TYPE
+from services.gateway.output import OutputText
+from services.gateway.prompts import check_model, prepare
+from services.gateway.responses import ResponseMeta
+from services.gateway.streaming import CLIENT_GONE, SSEResponse, collect, sse_body
+
+if TYPE_CHECKING:
+    from services.gateway.app import GatewayState
+
+log = logging.getLogger(__name__)
+
+_DRAIN_LIMIT = 64 * 1024 * 1024  # read (and drop) an oversized body up to this, so the client sees the 413
+
+
+def _state(request: Request) -> GatewayState:
+    return request.app.state.gateway
+
+
+async def require_api_key(request: Request) -> None:
+    key = request.app.state.config.api_key
+    if key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                       code="invalid_api_key")
+
+
+router = APIRouter()
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    state = _state(request)
+    alive = await state.require_workers()
+    return JSONResponse({"status": "ok", "mode": state.config.mode, "model": state.model.name, "workers": alive,
+                         "requests_in_flight": state.admission.in_flight})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _model_card(state: GatewayState) -> dict[str, Any]:
+    return {"id": state.model.name, "object": "model", "created": state.model.created, "owned_by": "pdserve",
+            "max_model_len": state.model.max_model_len}
+
+
+@v1.get("/models")
+async def list_models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [_model_card(_state(request))]})
+
+
+@v1.get("/models/{model:path}")
+async def get_model(model: str, request: Request) -> JSONResponse:
+    state = _state(request)
+    check_model(model, state.model)
+    return JSONResponse(_model_card(state))
+
+
+@v1.post("/completions")
+async def completions(request: Request) -> Response:
+    return await _generate(request, schemas.CompletionRequest, "completion")
+
+
+@v1.post("/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, schemas.ChatCompletionRequest, "chat")
+
+
+router.include_router(v1)
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type and media_type != "application/json" and not media_type.endswith("+json"):
+        raise APIError(415, f"Content-Type must be application/json, got {media_type!r}",
+                       code="unsupported_media_type")
+    declared = request.headers.get("content-length")
+    too_large = APIError(413, f"request body is larger than the {limit} byte limit", code="request_too_large")
+    if declared is not None and declared.isdigit() and int(declared) > _DRAIN_LIMIT:
+        raise too_large
+    body = bytearray()
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= limit:
+            body += chunk
+        elif size > _DRAIN_LIMIT:
+            break
+    if size > limit:
+        raise too_large
+    try:
+        return json.loads(body, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _outcome(exc: APIError) -> str:
+    return "rejected" if exc.status in (429, 503) else ("invalid" if exc.status < 500 else "error")
+
+
+async def _generate(request: Request, schema: type[schemas.GenerationRequest], kind: str) -> Response:
+    state = _state(request)
+    arrived = time.perf_counter()
+    try:
+        ticket = state.admission.admit()
+    except APIError:
+        state.metrics.count("rejected")
+        raise
+    try:
+        req = schemas.parse(schema, await read_json(request, state.config.max_body_bytes))
+        prepared = await prepare(req, state.model, state.config.default_max_tokens)
+        await state.require_workers()
+        request_id = uuid.uuid4().hex
+        channel = await state.dispatcher.open(request_id, prepared.prompt_ids, prepared.params)
+        ticket.dispatched()
+    except APIError as exc:
+        ticket.release()
+        state.metrics.count(_outcome(exc))
+        raise
+    except BaseException:
+        ticket.release()
+        state.metrics.count("error")
+        raise
+
+    params = prepared.params
+    output = OutputText(state.model.tokenizer, prepared.prompt_ids, stop=params.stop, min_tokens=params.min_tokens,
+                        skip_special_tokens=params.skip_special_tokens)
+    generation = Generation(channel, output, num_prompt_tokens=len(prepared.prompt_ids), metrics=state.metrics,
+                            ticket=ticket, arrived=arrived)
+    meta = ResponseMeta(kind, request_id, state.model.name)
+    log.debug("request %s: %d prompt tokens, max_tokens %d, stream=%s", request_id, len(prepared.prompt_ids),
+              params.max_tokens, prepared.stream)
+    if prepared.stream:
+        return SSEResponse(sse_body(generation, meta, prepared.include_usage),
+                           on_disconnect=lambda: channel.abort(CLIENT_GONE))
+    return await collect(generation, meta, request.receive)

@@ -1,0 +1,800 @@
+"""The gateway against real nats-server + Valkey, served by a real uvicorn (in a thread), with the real
+tokenizer — and a scripted protocol peer standing in for the prefill/decode workers: it pulls
+PrefillJobs from the work queues and answers with real TokenEvents for a fixed text, heartbeats like
+a worker, and records every Cancel it sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import threading
+import time
+from collections import defaultdict
+from dataclasses import replace
+
+import httpx
+import openai
+import pytest
+from nats.js.errors import NotFoundError
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.gateway.config import GatewayConfig
+from services.gateway.metrics import CONTRACT_NAMES
+from services.gateway.output import OutputText
+from services.gateway.server import serve
+from shared.model.chat_template import render_chat
+from shared.model.detokenizer import IncrementalDetokenizer
+from shared.model.tokenizer import Tokenizer
+from shared.protocol import subjects
+from shared.protocol.messages import (Cancel, ErrorCode, PrefillJob, TokenEvent, Timing, Usage, WorkerStats, decode,
+                                      encode)
+from shared.transport import nats_bus, valkey
+from shared.transport.servers import free_port, wait_for_port
+
+ANSWER = " Paris is the capital of France."
+CACHED_TOKENS = 7
+CONTEXT = 8192  # SmolLM2-135M-Instruct's context length
+
+
+# ------------------------------------------------------------------------------ the scripted peer
+
+
+class ScriptedPeer:
+    """Plays prefill + decode workers at the protocol level.
+
+    behavior: "normal" | "duplicate" (every event twice, plus overlapping ones) | "stall" (2 tokens,
+    then silence) | "gap" (skips token 2) | "error" (error event after `error_at` tokens) |
+    "ignore_stop" (does not apply stop strings: the gateway alone must cut).
+    """
+
+    def __init__(self, nats_url: str, redis_url: str, tokenizer: Tokenizer, roles=("prefill", "decode")) -> None:
+        self.nats_url = nats_url
+        self.redis_url = redis_url
+        self.tokenizer = tokenizer
+        self.roles = roles
+        self.behavior = "normal"
+        self.error_code = ErrorCode.INTERNAL
+        self.error_at = 2
+        self.token_delay = 0.004
+        self.answer_ids = tokenizer.encode(ANSWER, add_special_tokens=False)
+        self.jobs: dict[str, tuple[str, PrefillJob]] = {}
+        self.cancels: dict[str, Cancel] = {}
+        self._cancelled: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> ScriptedPeer:
+        self.nc = await nats_bus.connect(self.nats_url, "scripted-peer")
+        self.js = self.nc.jetstream()
+        await nats_bus.ensure_streams(self.js)
+        for stream, durable in ((subjects.PREFILL_STREAM, "prefill"), (subjects.DECODE_STREAM, "decode-direct")):
+            await self.js.purge_stream(stream)  # jobs left over by earlier tests
+            with contextlib.suppress(NotFoundError):  # left by a peer that did not stop cleanly
+                await self.js.delete_consumer(stream, durable)
+        self.redis = valkey.connect(self.redis_url)
+        await self.nc.subscribe(subjects.CANCEL_ALL, cb=self._on_cancel)
+        prefill = await nats_bus.pull_subscription(self.js, subjects.PREFILL_STREAM, "prefill", subjects.PREFILL_JOBS)
+        direct = await nats_bus.pull_subscription(self.js, subjects.DECODE_STREAM, "decode-direct",
+                                                  subjects.DECODE_DIRECT)
+        await self._heartbeat()
+        await self.nc.flush()
+        self._spawn(self._heartbeat_loop())
+        self._spawn(self._fetch_loop(prefill, subjects.PREFILL_JOBS))
+        self._spawn(self._fetch_loop(direct, subjects.DECODE_DIRECT))
+        return self
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.redis.delete(*(subjects.registry_key(role, f"peer-{role}") for role in self.roles))
+        await self.redis.aclose()
+        for stream, durable in ((subjects.PREFILL_STREAM, "prefill"), (subjects.DECODE_STREAM, "decode-direct")):
+            await self.js.delete_consumer(stream, durable)
+        await self.nc.close()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def wait_cancel(self, request_id: str, timeout: float = 5.0) -> Cancel:
+        await asyncio.wait_for(self._cancelled[request_id].wait(), timeout)
+        return self.cancels[request_id]
+
+    async def _on_cancel(self, msg) -> None:
+        cancel = decode(msg.data, Cancel)
+        assert msg.subject == subjects.cancel(cancel.request_id)
+        self.cancels[cancel.request_id] = cancel
+        self._cancelled[cancel.request_id].set()
+
+    # -- worker-like heartbeat: registry keys in Valkey + WorkerStats on pd.stats.<role>.<inst>
+
+    def stats(self, role: str) -> WorkerStats:
+        return WorkerStats(role=role, instance=f"peer-{role}", running=1, waiting=2, kv_blocks_total=100,
+                           kv_blocks_in_use=5 if role == "decode" else 3, prefix_queries=40, prefix_hits=30,
+                           free_slots=8, ts=time.time())
+
+    async def _heartbeat(self) -> None:
+        for role in self.roles:
+            stats = self.stats(role)
+            await self.redis.set(subjects.registry_key(role, stats.instance), encode(stats), ex=5)
+            await self.nc.publish(subjects.stats(role, stats.instance), encode(stats))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            await self._heartbeat()
+
+    # -- jobs
+
+    async def _fetch_loop(self, psub, subject: str) -> None:
+        while True:
+            try:
+                msgs = await psub.fetch(batch=8, timeout=0.5)
+            except TimeoutError:  # nats' own TimeoutError, or asyncio's when the client side expires
+                continue
+            for msg in msgs:
+                await msg.ack()
+                job = decode(msg.data, PrefillJob)
+                self.jobs[job.request_id] = (subject, job)
+                self._spawn(self._answer(job))
+
+    def _script(self, job: PrefillJob) -> tuple[list[int], str, str | None]:
+        """The tokens a real engine would emit for ANSWER under the job's max_tokens and stop strings."""
+        ids = self.answer_ids[: job.params.max_tokens]
+        finish = "length" if len(ids) < len(self.answer_ids) else "stop"
+        if job.params.stop and self.behavior != "ignore_stop":
+            detok, text = IncrementalDetokenizer(self.tokenizer, job.prompt_ids), ""
+            for n, token in enumerate(ids, 1):
+                text += detok.push(token)
+                hit = next((s for s in job.params.stop if s in text), None)
+                if hit is not None:
+                    return ids[:n], "stop", hit
+        return ids, finish, None
+
+    async def _answer(self, job: PrefillJob) -> None:
+        rid = job.request_id
+        subject = subjects.tokens(rid)
+        ids, finish, stop_reason = self._script(job)
+
+        async def send(event: TokenEvent) -> None:
+            await self.nc.publish(subject, encode(event))
+
+        for i, token in enumerate(ids):
+            if rid in self.cancels:
+                return  # a worker drops a cancelled request at its next step
+            if self.behavior == "stall" and i == 2:
+                return
+            if self.behavior == "error" and i == self.error_at:
+                await send(TokenEvent(request_id=rid, index=i, finished=True, finish_reason="error",
+                                      error_code=self.error_code, error="scripted failure", worker="peer-decode"))
+                return
+            if self.behavior == "gap" and i == 2:
+                continue
+            event = TokenEvent(request_id=rid, index=i, token_ids=[token], worker="peer-decode")
+            await send(event)
+            if self.behavior == "duplicate":
+                await send(event)
+                if i > 0:
+                    await send(TokenEvent(request_id=rid, index=i - 1, token_ids=ids[i - 1: i + 1]))
+            await asyncio.sleep(self.token_delay)
+        if self.behavior == "error" and self.error_at >= len(ids):
+            await send(TokenEvent(request_id=rid, index=len(ids), finished=True, finish_reason="error",
+                                  error_code=self.error_code, error="scripted failure"))
+            return
+        usage = Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=len(ids), cached_tokens=CACHED_TOKENS)
+        final = TokenEvent(request_id=rid, index=len(ids), finished=True, finish_reason=finish,
+                           stop_reason=stop_reason, usage=usage, timing=Timing(kv_write_s=0.003, kv_read_s=0.004),
+                           worker="peer-decode")
+        await send(final)
+        if self.behavior == "duplicate":
+            await send(final)
+
+
+# ----------------------------------------------------------------------------------- the gateway
+
+
+class GatewayThread:
+    """`serve(config, stop_event)` on its own event loop in a thread (so blocking clients may call it)."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.url = f"http://127.0.0.1:{config.port}"
+        self.error: BaseException | None = None
+        self._ready = threading.Event()
+
+    def start(self) -> GatewayThread:
+        self._thread = threading.Thread(target=self._run, name="gateway", daemon=True)
+        self._thread.start()
+        self._ready.wait(10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"gateway did not start: {self.error}")
+            try:
+                wait_for_port(self.config.port, timeout=0.2)
+                return self
+            except TimeoutError:
+                pass
+        raise TimeoutError("gateway did not start listening")
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            self._ready.set()
+            await serve(self.config, self._stop)
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # reported by start()
+            self.error = exc
+            self._ready.set()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(15)
+        assert not self._thread.is_alive(), "gateway did not stop"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_gguf) -> Tokenizer:
+    return Tokenizer.from_gguf(default_gguf)
+
+
+@pytest.fixture(scope="module")
+def base_config(nats_server, valkey_server, default_gguf) -> GatewayConfig:
+    return GatewayConfig(port=0, nats_url=nats_server.url, redis_url=valkey_server.url, model=str(default_gguf),
+                         shutdown_grace_s=1.0, log_level="warning", instance="gw-test")
+
+
+@pytest.fixture(scope="module")
+def gateway(base_config):
+    """The default-config gateway most tests share."""
+    gw = GatewayThread(replace(base_config, port=free_port())).start()
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture
+def make_gateway(base_config):
+    started = []
+
+    def make(**overrides) -> GatewayThread:
+        gw = GatewayThread(replace(base_config, port=free_port(), **overrides)).start()
+        started.append(gw)
+        return gw
+
+    yield make
+    for gw in started:
+        gw.stop()
+
+
+@pytest.fixture
+async def peer(nats_server, valkey_server, tokenizer):
+    p = await ScriptedPeer(nats_server.url, valkey_server.url, tokenizer).start()
+    yield p
+    await p.stop()
+
+
+@pytest.fixture
+async def client(gateway, peer):
+    """A client of the shared gateway, once that gateway has seen the peer's heartbeat."""
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=20) as c:
+        await until(lambda: health_status(c), 200)
+        yield c
+
+
+MODEL = "SmolLM2-135M-Instruct"  # the default model's name, even when given as its cached file
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+COMPLETION = {"model": MODEL, "prompt": "The capital of France is"}
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, messages) -> list[int]:
+    text = render_chat(tokenizer.chat_template, messages, add_generation_prompt=True,
+                       bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "")
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+async def stream_events(client: httpx.AsyncClient, path: str, body: dict) -> list:
+    """POST with stream=true; the parsed `data:` payloads in order ("[DONE]" kept as a string)."""
+    events = []
+    async with client.stream("POST", path, json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        async for line in resp.aiter_lines():
+            if line.startswith("data: "):
+                payload = line[len("data: "):]
+                events.append(payload if payload == "[DONE]" else json.loads(payload))
+            else:
+                assert line == "", line
+    return events
+
+
+def chat_text(events: list) -> str:
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                   if isinstance(e, dict) and e.get("choices"))
+
+
+def request_id(body: dict) -> str:
+    return body["id"].split("-", 1)[1]
+
+
+async def metric_samples(client: httpx.AsyncClient) -> dict:
+    """name → {frozenset(labels): value} from /metrics."""
+    resp = await client.get("/metrics")
+    assert resp.status_code == 200
+    out: dict = defaultdict(dict)
+    for family in text_string_to_metric_families(resp.text):
+        for s in family.samples:
+            out[s.name][frozenset(s.labels.items())] = s.value
+    return out
+
+
+# ----------------------------------------------------------------------------------------- tests
+
+
+async def test_chat_non_streaming_shape_and_job(client, peer, tokenizer):
+    body = {**CHAT, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "seed": 7, "max_completion_tokens": 50,
+            "user": "u1", "some_future_field": {"x": 1}}
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    assert data["object"] == "chat.completion" and data["model"] == MODEL
+    assert data["choices"][0]["message"] == {"role": "assistant", "content": ANSWER}
+    assert data["choices"][0]["finish_reason"] == "stop"
+    prompt_ids = chat_prompt_ids(tokenizer, CHAT["messages"])
+    n_out = len(tokenizer.encode(ANSWER, add_special_tokens=False))
+    assert data["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": n_out,
+                             "total_tokens": len(prompt_ids) + n_out,
+                             "prompt_tokens_details": {"cached_tokens": CACHED_TOKENS}}
+    subject, job = peer.jobs[request_id(data)]
+    assert subject == subjects.PREFILL_JOBS
+    assert job.prompt_ids == prompt_ids
+    p = job.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (50, 0.5, 0.9, 40, 7)
+    assert 590 < job.deadline - time.time() <= 600
+
+
+async def test_chat_streaming_shape_with_usage(client, peer):
+    events = await stream_events(client, "/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chat_text(chunks) == ANSWER
+    finish = chunks[-2]["choices"][0]
+    assert finish["finish_reason"] == "stop" and finish["delta"] == {}
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-2])
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == len(peer.answer_ids)
+    assert usage_chunk["usage"]["prompt_tokens_details"] == {"cached_tokens": CACHED_TOKENS}
+
+
+async def test_completions_both_ways(client, peer, tokenizer):
+    resp = await client.post("/v1/completions", json=COMPLETION)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    assert data["object"] == "text_completion"
+    assert data["choices"][0]["text"] == ANSWER and data["choices"][0]["finish_reason"] == "stop"
+    prompt_ids = tokenizer.encode(COMPLETION["prompt"])
+    assert data["usage"]["prompt_tokens"] == len(prompt_ids)
+    assert peer.jobs[request_id(data)][1].prompt_ids == prompt_ids
+
+    events = await stream_events(client, "/v1/completions", {**COMPLETION, "max_tokens": 3})
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == tokenizer.decode(peer.answer_ids[:3])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert not any("usage" in c for c in chunks)  # only with include_usage
+
+    # a prompt given as token ids goes through untouched
+    resp = await client.post("/v1/completions", json={**COMPLETION, "prompt": [[1, 2, 3, 4]]})
+    assert resp.status_code == 200, resp.text
+    assert peer.jobs[request_id(resp.json())][1].prompt_ids == [1, 2, 3, 4]
+
+
+async def test_openai_client_unmodified(gateway, peer):
+    def run() -> tuple:
+        c = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+        models = [m.id for m in c.models.list()]
+        chat = c.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=32)
+        stream = c.chat.completions.create(model=MODEL, messages=CHAT["messages"], stream=True,
+                                           stream_options={"include_usage": True})
+        parts, usage = [], None
+        for chunk in stream:
+            if chunk.choices:
+                parts.append(chunk.choices[0].delta.content or "")
+            if chunk.usage:
+                usage = chunk.usage
+        comp = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=16)
+        comp_stream = "".join(ch.choices[0].text for ch in
+                              c.completions.create(model=MODEL, prompt="The capital of France is", stream=True))
+        return models, chat, "".join(parts), usage, comp, comp_stream
+
+    models, chat, streamed, usage, comp, comp_stream = await asyncio.to_thread(run)
+    assert models == [MODEL]
+    assert chat.choices[0].message.content == ANSWER and chat.choices[0].finish_reason == "stop"
+    assert chat.usage.prompt_tokens_details.cached_tokens == CACHED_TOKENS
+    assert streamed == ANSWER
+    assert usage.completion_tokens == len(peer.answer_ids)
+    assert comp.choices[0].text == ANSWER
+    assert comp_stream == ANSWER
+
+
+@pytest.mark.parametrize("stop, expected", [
+    ("capital", " Paris is the "),
+    (["xyz", "tal of"], " Paris is the capi"),  # the stop string spans two tokens
+    (["France."], " Paris is the capital of "),
+    ("nowhere", ANSWER),
+])
+@pytest.mark.parametrize("behavior", ["normal", "ignore_stop"])
+async def test_stop_strings_never_leak(client, peer, stop, expected, behavior):
+    peer.behavior = behavior
+    events = await stream_events(client, "/v1/chat/completions", {**CHAT, "stop": stop})
+    assert events[-1] == "[DONE]"
+    assert chat_text(events[:-1]) == expected  # no chunk carried any part of the cut text
+    finish = events[-2]["choices"][0]
+    assert finish["finish_reason"] == "stop"
+    if expected != ANSWER:
+        assert finish["stop_reason"] in ([stop] if isinstance(stop, str) else stop)
+    resp = await client.post("/v1/completions", json={**COMPLETION, "stop": stop})
+    assert resp.json()["choices"][0]["text"] == expected
+
+
+@pytest.mark.parametrize("text, stop, expected", [
+    (" Paris is the capital. User: hi", ["User:"], " Paris is the capital. "),
+    (" Flags: 🇫🇷🇩🇪 and more", ["🇩🇪"], " Flags: 🇫🇷"),  # stop inside multi-token characters
+    (" a\n\nb\n\nc", ["\n\n"], " a"),
+    (" no stop here", ["zzz", "qq"], " no stop here"),
+    (" aaaa", ["aaa"], " "),
+])
+def test_output_text_streams_only_a_prefix_of_the_final_text(tokenizer, text, stop, expected):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    out = OutputText(tokenizer, tokenizer.encode("Hello"), stop=stop)
+    sent = ""
+    for token in ids:  # one token per event, as a decode worker sends them
+        sent += out.add([token])
+        assert expected.startswith(sent), (sent, expected)  # nothing streamed is ever cut later
+    sent += out.finish()
+    assert sent == expected == out.text
+    assert out.stop_string == (None if expected == text else next(s for s in stop if s in text))
+
+
+async def test_duplicates_are_dropped(client, peer):
+    peer.behavior = "duplicate"
+    events = await stream_events(client, "/v1/chat/completions", CHAT)
+    assert chat_text(events[:-1]) == ANSWER and events[-1] == "[DONE]"
+    resp = await client.post("/v1/completions", json=COMPLETION)
+    assert resp.json()["choices"][0]["text"] == ANSWER
+
+
+async def test_gap_ends_stream_with_error_and_cancel(client, peer):
+    peer.behavior = "gap"
+    events = await stream_events(client, "/v1/chat/completions", CHAT)
+    assert events[-1] == "[DONE]"
+    assert "error" in events[-2] and "broken" in events[-2]["error"]["message"]
+    await peer.wait_cancel(request_id(events[0]))
+
+
+async def test_worker_error_event(gateway, client, peer):
+    peer.behavior = "error"
+    events = await stream_events(client, "/v1/chat/completions", CHAT)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["message"] == "scripted failure"
+    assert chat_text(events[:-2]) == peer.tokenizer.decode(peer.answer_ids[:2])
+
+    resp = await client.post("/v1/completions", json=COMPLETION)
+    assert resp.status_code == 500 and resp.json()["error"]["message"] == "scripted failure"
+
+    def with_client() -> str:  # the official client raises on the in-stream error event
+        c = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+        parts = []
+        with pytest.raises(openai.APIError, match="scripted failure"):
+            for chunk in c.chat.completions.create(model=MODEL, messages=CHAT["messages"], stream=True):
+                parts.append(chunk.choices[0].delta.content or "")
+        return "".join(parts)
+
+    assert await asyncio.to_thread(with_client) == peer.tokenizer.decode(peer.answer_ids[:2])
+
+    peer.error_code, peer.error_at = ErrorCode.OVERLOADED, 0
+    resp = await client.post("/v1/chat/completions", json=CHAT)
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+    assert resp.json()["error"]["code"] == "overloaded"
+
+
+async def test_models_endpoint(client, peer):
+    resp = await client.get("/v1/models")
+    assert resp.status_code == 200
+    assert [m["id"] for m in resp.json()["data"]] == [MODEL]
+    assert (await client.get(f"/v1/models/{MODEL}")).status_code == 200
+    alias = await client.post("/v1/completions", json={**COMPLETION, "model": "SmolLM2-135M-Instruct.Q4_1"})
+    assert alias.status_code == 200  # the file's own name is accepted too
+    missing = await client.get("/v1/models/gpt-4")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+async def test_metrics_after_a_request(client, peer):
+    resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": False})
+    assert resp.status_code == 200
+    events = await stream_events(client, "/v1/chat/completions", CHAT)
+    assert events[-1] == "[DONE]"
+    text = (await client.get("/metrics")).text
+    for name in CONTRACT_NAMES + ("pdserve_requests_total",):
+        assert name in text, name
+    m = await metric_samples(client)
+    decode_labels = frozenset({"service": "decode", "instance": "peer-decode"}.items())
+    prefill_labels = frozenset({"service": "prefill", "instance": "peer-prefill"}.items())
+    assert m["pdserve_kv_blocks_in_use"][decode_labels] == 5
+    assert m["pdserve_prefix_cache_queries_total"][prefill_labels] == 40
+    assert m["pdserve_prefix_cache_hits_total"][prefill_labels] == 30
+    assert m["pdserve_requests_waiting"][decode_labels] == 2
+    gateway_labels = frozenset({"service": "gateway", "instance": "gw-test"}.items())
+    assert m["pdserve_requests_running"][gateway_labels] == 0
+    assert m["pdserve_requests_total"][frozenset({"status": "success"}.items())] >= 2
+    for hist in ("pdserve_time_to_first_token_seconds", "pdserve_inter_token_latency_seconds",
+                 "pdserve_e2e_request_latency_seconds", "pdserve_kv_transfer_seconds"):
+        assert m[f"{hist}_count"][frozenset()] >= 1, hist
+    assert m["pdserve_kv_transfer_seconds_sum"][frozenset()] > 0
+
+
+async def test_client_disconnect_publishes_cancel(client, peer):
+    peer.behavior = "stall"  # two tokens, then nothing: the client gives up mid-stream
+    rid = None
+    async with client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                rid = request_id(chunk)
+                if chunk["choices"][0]["delta"].get("content"):
+                    break
+    cancel = await peer.wait_cancel(rid)
+    assert cancel.request_id == rid and "disconnect" in cancel.reason
+    gateway_row = frozenset({"service": "gateway", "instance": "gw-test"}.items())
+
+    async def in_flight() -> float:
+        return (await metric_samples(client))["pdserve_requests_running"][gateway_row]
+
+    await until(in_flight, 0)  # the slot is freed right after the Cancel goes out
+    m = await metric_samples(client)
+    assert m["pdserve_requests_total"][frozenset({"status": "cancelled"}.items())] >= 1
+
+
+async def test_non_streaming_disconnect_publishes_cancel(gateway, peer):
+    peer.behavior = "stall"
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as c:
+        waiting = asyncio.create_task(c.post("/v1/completions", json=COMPLETION))
+        await until(lambda: len(peer.jobs), 1)
+        waiting.cancel()  # the client gives up: its connection closes
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+    rid = next(iter(peer.jobs))
+    await peer.wait_cancel(rid)
+
+
+async def test_inactivity_timeout_ends_stream(make_gateway, peer):
+    gw = make_gateway(inactivity_timeout_s=0.5)
+    peer.behavior = "stall"
+    async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+        await until(lambda: health_status(c), 200)  # the gateway has seen the peer
+        start = time.monotonic()
+        events = await stream_events(c, "/v1/chat/completions", CHAT)
+        assert time.monotonic() - start < 5
+        assert events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == "timeout"
+        assert chat_text(events[:-2]) == peer.tokenizer.decode(peer.answer_ids[:2])
+        await peer.wait_cancel(request_id(events[0]))
+
+        resp = await c.post("/v1/completions", json=COMPLETION)
+        assert resp.status_code == 504 and resp.json()["error"]["code"] == "timeout"
+        await peer.wait_cancel(list(peer.jobs)[-1])
+
+
+async def test_admission_limit_429(make_gateway, peer):
+    gw = make_gateway(max_concurrent_requests=1)
+    peer.behavior = "stall"
+    async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+        await until(lambda: health_status(c), 200)  # the gateway has seen the peer
+        async with c.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as held:
+            async for line in held.aiter_lines():
+                if '"content":"' in line and '"content":""' not in line:
+                    break
+            busy = await c.post("/v1/chat/completions", json=CHAT)
+            assert busy.status_code == 429
+            assert busy.headers["retry-after"] == "1"
+            assert busy.json()["error"]["code"] == "rate_limit_exceeded"
+        peer.behavior = "normal"
+
+        async def chat_status() -> int:
+            return (await c.post("/v1/chat/completions", json=CHAT)).status_code
+
+        await until(chat_status, 200)  # the held request's slot frees once its disconnect is processed
+
+
+async def test_api_key(make_gateway, peer):
+    gw = make_gateway(api_key="sekret")
+    async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+        await until(lambda: health_status(c), 200)  # the gateway has seen the peer
+        denied = await c.get("/v1/models")
+        assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+        wrong = await c.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        ok = await c.get("/v1/models", headers={"Authorization": "Bearer sekret"})
+        assert ok.status_code == 200
+        chat = await c.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer sekret"})
+        assert chat.status_code == 200
+        assert (await c.get("/health")).status_code == 200
+        assert (await c.get("/metrics")).status_code == 200
+
+    def with_client() -> str:
+        oc = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="sekret", max_retries=0)
+        return oc.chat.completions.create(model=MODEL, messages=CHAT["messages"]).choices[0].message.content
+
+    assert await asyncio.to_thread(with_client) == ANSWER
+
+
+async def test_conditional_mode_routes_by_prompt_length(make_gateway, peer):
+    gw = make_gateway(mode="conditional", conditional_threshold=32)
+    async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+        await until(lambda: health_status(c), 200)  # the gateway has seen the peer
+        short = await c.post("/v1/completions", json={**COMPLETION, "prompt": "Hi"})
+        long = await c.post("/v1/completions", json={**COMPLETION, "prompt": "word " * 60})
+        assert short.status_code == 200 and long.status_code == 200
+        assert short.json()["choices"][0]["text"] == long.json()["choices"][0]["text"] == ANSWER
+    assert peer.jobs[request_id(short.json())][0] == subjects.DECODE_DIRECT
+    assert peer.jobs[request_id(long.json())][0] == subjects.PREFILL_JOBS
+
+
+async def test_colocated_mode_needs_a_colocated_worker(make_gateway, nats_server, valkey_server, tokenizer):
+    gw = make_gateway(mode="colocated")
+    p = await ScriptedPeer(nats_server.url, valkey_server.url, tokenizer, roles=("colocated",)).start()
+    try:
+        async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+            await until(lambda: health_status(c), 200)
+            health = await c.get("/health")
+            assert health.json()["workers"]["colocated"] == ["peer-colocated"]
+            resp = await c.post("/v1/chat/completions", json=CHAT)
+            assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == ANSWER
+            assert p.jobs[request_id(resp.json())][0] == subjects.PREFILL_JOBS
+    finally:
+        await p.stop()
+
+
+async def test_health_follows_workers(make_gateway, nats_server, valkey_server, tokenizer):
+    redis_url = f"{valkey_server.url}/15"  # a keyspace no other test's peer writes to
+    gw = make_gateway(redis_url=redis_url, worker_alive_s=0.5, registry_cache_s=0.1)
+    redis = valkey.connect(redis_url)
+    await redis.flushdb()
+    try:
+        async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+            down = await c.get("/health")
+            assert down.status_code == 503 and "no live" in down.json()["error"]["message"]
+            assert down.headers["retry-after"] == "1"
+            refused = await c.post("/v1/chat/completions", json=CHAT)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_workers"
+
+            # heartbeats alone (a peer with its registry keys elsewhere) make it healthy ...
+            p = await ScriptedPeer(nats_server.url, valkey_server.url, tokenizer).start()
+            try:
+                await until(lambda: health_status(c), 200)
+                up = await c.get("/health")
+                assert up.json()["status"] == "ok"
+                assert up.json()["workers"]["decode"] == ["peer-decode"]
+            finally:
+                await p.stop()
+            # ... and silence makes it unhealthy again (a heartbeat still in flight may arrive late)
+            await until(lambda: health_status(c), 503)
+
+            # registry keys alone are enough too
+            for role in ("prefill", "decode"):
+                await redis.set(subjects.registry_key(role, f"reg-{role}"), b"", ex=5)
+            await until(lambda: health_status(c), 200)
+    finally:
+        await redis.flushdb()
+        await redis.aclose()
+
+
+async def health_status(c: httpx.AsyncClient) -> int:
+    return (await c.get("/health")).status_code
+
+
+async def until(probe, expected, timeout: float = 10.0, interval: float = 0.05):
+    """Poll `probe()` (a value or an awaitable) until it gives `expected`: for state that changes with
+    time (liveness windows, slots freed after a disconnect) rather than by an event we can wait on."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        value = await value if inspect.isawaitable(value) else value
+        if value == expected:
+            return value
+        assert time.monotonic() < deadline, f"still {value!r}, expected {expected!r}"
+        await asyncio.sleep(interval)
+
+
+def _long_prompt(n_words: int) -> str:
+    return "hi " * n_words
+
+
+BAD_REQUESTS = [
+    # (case, path, body (dict, or raw bytes), extra headers, status, message must contain)
+    ("malformed json", "/v1/chat/completions", b'{"model": "x", "messages": [', {}, 400, "JSON"),
+    ("nan is not json", "/v1/completions", b'{"prompt": "a", "temperature": NaN}', {}, 400, "JSON"),
+    ("body is an array", "/v1/chat/completions", [1, 2], {}, 400, "object"),
+    ("temperature -1", "/v1/chat/completions", {**CHAT, "temperature": -1}, {}, 400, "temperature"),
+    ("temperature 3", "/v1/chat/completions", {**CHAT, "temperature": 3}, {}, 400, "temperature"),
+    ("temperature string", "/v1/chat/completions", {**CHAT, "temperature": "0.5"}, {}, 400, "temperature"),
+    ("top_p 0", "/v1/chat/completions", {**CHAT, "top_p": 0}, {}, 400, "top_p"),
+    ("top_p 1.5", "/v1/completions", {**COMPLETION, "top_p": 1.5}, {}, 400, "top_p"),
+    ("top_k -2", "/v1/completions", {**COMPLETION, "top_k": -2}, {}, 400, "top_k"),
+    ("max_tokens 0", "/v1/completions", {**COMPLETION, "max_tokens": 0}, {}, 400, "max_tokens"),
+    ("max_tokens -5", "/v1/chat/completions", {**CHAT, "max_tokens": -5}, {}, 400, "max_tokens"),
+    ("max_tokens float", "/v1/completions", {**COMPLETION, "max_tokens": 5.5}, {}, 400, "max_tokens"),
+    ("max_tokens over context", "/v1/completions", {**COMPLETION, "max_tokens": 100000}, {}, 400, str(CONTEXT)),
+    ("n=2", "/v1/chat/completions", {**CHAT, "n": 2}, {}, 400, "n"),
+    ("stream not bool", "/v1/chat/completions", {**CHAT, "stream": "yes"}, {}, 400, "stream"),
+    ("stream_options without stream", "/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}},
+     {}, 400, "stream_options"),
+    ("seed string", "/v1/completions", {**COMPLETION, "seed": "42"}, {}, 400, "seed"),
+    ("empty messages", "/v1/chat/completions", {**CHAT, "messages": []}, {}, 400, "messages"),
+    ("messages not a list", "/v1/chat/completions", {**CHAT, "messages": "hello"}, {}, 400, "messages"),
+    ("bad role", "/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, {}, 400,
+     "role"),
+    ("content wrong type", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]}, {}, 400,
+     "content"),
+    ("image content part", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     {}, 400, "content"),
+    ("missing messages", "/v1/chat/completions", {"model": MODEL}, {}, 400, "messages"),
+    ("missing prompt", "/v1/completions", {"model": MODEL}, {}, 400, "prompt"),
+    ("empty prompt", "/v1/completions", {**COMPLETION, "prompt": ""}, {}, 400, "prompt"),
+    ("two prompts", "/v1/completions", {**COMPLETION, "prompt": ["a", "b"]}, {}, 400, "prompt"),
+    ("token id outside vocab", "/v1/completions", {**COMPLETION, "prompt": [1, 10**9]}, {}, 400, "vocabulary"),
+    ("stop list of 5", "/v1/chat/completions", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, {}, 400, "stop"),
+    ("empty stop string", "/v1/chat/completions", {**CHAT, "stop": ""}, {}, 400, "stop"),
+    ("min_tokens over max_tokens", "/v1/completions", {**COMPLETION, "max_tokens": 2, "min_tokens": 5}, {}, 400,
+     "min_tokens"),
+    ("logprobs", "/v1/chat/completions", {**CHAT, "logprobs": True}, {}, 400, "logprobs"),
+    ("echo", "/v1/completions", {**COMPLETION, "echo": True}, {}, 400, "echo"),
+    ("tools", "/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, {}, 400, "tools"),
+    ("unknown model", "/v1/chat/completions", {**CHAT, "model": "gpt-4"}, {}, 404, "gpt-4"),
+    ("not json content type", "/v1/completions", b"prompt=hello", {"content-type": "text/plain"}, 415,
+     "Content-Type"),
+    ("body too large", "/v1/completions", b'{"prompt": "' + b"a" * (5 * 1024 * 1024) + b'"}', {}, 413, "limit"),
+    ("unknown route", "/v1/embeddings", COMPLETION, {}, 404, ""),
+]
+
+
+async def test_bad_requests(client, peer, tokenizer):
+    for case, path, body, headers, status, needle in BAD_REQUESTS:
+        if isinstance(body, bytes):
+            resp = await client.post(path, content=body, headers={"content-type": "application/json", **headers})
+        else:
+            resp = await client.post(path, json=body, headers=headers)
+        assert resp.status_code == status, (case, resp.status_code, resp.text[:300])
+        error = resp.json()["error"]
+        assert isinstance(error["message"], str) and error["message"], case
+        assert needle in error["message"] or needle == error.get("param"), (case, error)
+
+    # a prompt too long for the context: alone, and with max_tokens; both numbers named
+    prompt = _long_prompt(CONTEXT + 100)
+    n = len(tokenizer.encode(prompt))
+    resp = await client.post("/v1/completions", json={**COMPLETION, "prompt": prompt})
+    assert resp.status_code == 400 and str(n) in resp.json()["error"]["message"]
+    assert str(CONTEXT) in resp.json()["error"]["message"]
+    prompt = _long_prompt(CONTEXT - 200)
+    n = len(tokenizer.encode(prompt))
+    resp = await client.post("/v1/completions", json={**COMPLETION, "prompt": prompt, "max_tokens": 500})
+    message = resp.json()["error"]["message"]
+    assert resp.status_code == 400 and str(n) in message and "500" in message and str(CONTEXT) in message
+
+    assert (await client.get("/health")).status_code == 200
+    ok = await client.post("/v1/chat/completions", json=CHAT)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == ANSWER
+    m = await metric_samples(client)
+    assert m["pdserve_requests_total"][frozenset({"status": "invalid"}.items())] >= len(BAD_REQUESTS) - 1
