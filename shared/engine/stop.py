@@ -1,13 +1,10 @@
-"""When a sequence is done, and how much of its text may be streamed yet.
-
-Stop strings are matched on detokenized text. While a stream might still be growing into a stop
-string, the last `longest stop − 1` characters are held back, so a client never sees the first half
-of a stop string that later gets cut.
-"""
+"""When a sequence is done, and how much of its text may be streamed yet (stop strings: see
+shared/model/stop_strings.py, which the gateway uses too)."""
 
 from __future__ import annotations
 
 from shared.engine.sequence import FinishReason, Sequence
+from shared.model.stop_strings import find_stop, streamable_len
 
 
 class StopChecker:
@@ -35,24 +32,14 @@ class StopChecker:
 
     @staticmethod
     def _cut_at_stop_string(seq: Sequence, new_text_len: int) -> bool:
-        longest = max(len(s) for s in seq.params.stop)
-        # a match must end inside the new text: search from where it could start
-        start = max(0, len(seq.text) - new_text_len - longest + 1)
-        best = None
-        for stop in seq.params.stop:
-            idx = seq.text.find(stop, start)
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, stop)
-        if best is None:
+        found = find_stop(seq.text, new_text_len, seq.params.stop)
+        if found is None:
             return False
-        seq.text = seq.text[: best[0]]  # OpenAI semantics: the stop string is not returned
-        seq.stop_reason = best[1]
+        seq.text = seq.text[: found[0]]  # OpenAI semantics: the stop string is not returned
+        seq.stop_reason = found[1]
         return True
 
     @staticmethod
     def streamable_len(seq: Sequence) -> int:
         """How many characters of `seq.text` can be sent now."""
-        if seq.is_finished or not seq.params.stop:
-            return len(seq.text)
-        hold = max(len(s) for s in seq.params.stop) - 1
-        return max(0, len(seq.text) - hold)
+        return streamable_len(seq.text, seq.params.stop, seq.is_finished)
