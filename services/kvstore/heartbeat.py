@@ -42,6 +42,11 @@ class Heartbeat:
         self._valkey_ok = True
         self._lock = asyncio.Lock()  # one Valkey sync at a time: SADD/SREM must land in event order
 
+    @property
+    def num_pending_hints(self) -> int:
+        """Routing-hint updates taken from the pool but not yet written to Valkey."""
+        return len(self._pending)
+
     def stats(self) -> WorkerStats:
         return WorkerStats(
             role="kvstore", instance=self.store, kv_blocks_total=self.pool.num_slots,

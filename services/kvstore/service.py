@@ -69,6 +69,7 @@ class KVStoreService:
         self.nc: NATS | None = None
         self.heartbeat: Heartbeat | None = None
         self.ready = asyncio.Event()
+        self._stopped = False
         self._subs: list[Subscription] = []
         self._background: list[asyncio.Task] = []
         self._reads: set[asyncio.Task] = set()
@@ -87,21 +88,17 @@ class KVStoreService:
     # ---------------------------------------------------------------------------------- lifecycle
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self.start()
         try:
+            await self.start()
             await stop.wait()
         finally:
-            await self.stop()
+            await self.stop()  # also after a failed start: whatever was set up is torn down
 
     async def start(self) -> None:
         cfg = self.config
         self.memory = PoolMemory(cfg.num_slots, cfg.block_bytes, shared=cfg.shared_memory)
-        try:
-            self.nc = await nats_bus.connect(cfg.nats_url, f"kvstore-{self.store}", user=cfg.nats_user,
-                                             password=cfg.nats_password, token=cfg.nats_token)
-        except BaseException:
-            self.memory.close()
-            raise
+        self.nc = await nats_bus.connect(cfg.nats_url, f"kvstore-{self.store}", user=cfg.nats_user,
+                                         password=cfg.nats_password, token=cfg.nats_token)
         self.heartbeat = Heartbeat(cfg, self.pool, self.nc, valkey.connect(cfg.redis_url, cfg.redis_password))
         for op in subjects.KV_OPS:
             handler = self._on_read if op == "read" else self._make_handler(op)
@@ -117,15 +114,21 @@ class KVStoreService:
 
     async def stop(self) -> None:
         """Stop taking requests, finish in-flight reads, leave Valkey, drain NATS, unlink the pool."""
+        if self._stopped:
+            return
+        self._stopped = True
         log.info("kvstore %s: shutting down", self.store)
         for sub in self._subs:
             try:
-                await sub.unsubscribe()
+                await sub.drain()  # answer what is already queued, take nothing new
             except Exception as exc:  # connection already closed: nothing left to stop
-                log.debug("kvstore: unsubscribe failed: %s", exc)
+                log.debug("kvstore: draining a subscription failed: %s", exc)
         self._subs.clear()
         if self._reads:
-            await asyncio.wait(self._reads, timeout=SHUTDOWN_GRACE_S)
+            _, stuck = await asyncio.wait(self._reads, timeout=SHUTDOWN_GRACE_S)
+            for task in stuck:
+                task.cancel()
+            await asyncio.gather(*stuck, return_exceptions=True)
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -142,8 +145,6 @@ class KVStoreService:
             except Exception as exc:
                 log.warning("kvstore %s: NATS drain failed: %s", self.store, exc)
                 await self.nc.close()
-        for task in self._reads:
-            task.cancel()
         if self.memory is not None:
             self.memory.close()
         self.ready.clear()
