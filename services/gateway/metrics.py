@@ -16,22 +16,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from shared.protocol.messages import WorkerStats
+from shared.telemetry.names import (CONTRACT_NAMES, E2E, ITL, KV_BLOCKS_IN_USE, KV_TRANSFER, PREFIX_HITS,  # noqa: F401
+                                    PREFIX_QUERIES, REQUESTS_RUNNING, REQUESTS_TOTAL, REQUESTS_WAITING, TTFT)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-TTFT = "pdserve_time_to_first_token_seconds"
-ITL = "pdserve_inter_token_latency_seconds"
-E2E = "pdserve_e2e_request_latency_seconds"
-KV_TRANSFER = "pdserve_kv_transfer_seconds"
-KV_BLOCKS_IN_USE = "pdserve_kv_blocks_in_use"
-PREFIX_QUERIES = "pdserve_prefix_cache_queries_total"
-PREFIX_HITS = "pdserve_prefix_cache_hits_total"
-REQUESTS_RUNNING = "pdserve_requests_running"
-REQUESTS_WAITING = "pdserve_requests_waiting"
-REQUESTS_TOTAL = "pdserve_requests_total"
-
-CONTRACT_NAMES = (TTFT, ITL, E2E, KV_TRANSFER, KV_BLOCKS_IN_USE, PREFIX_QUERIES, PREFIX_HITS, REQUESTS_RUNNING,
-                  REQUESTS_WAITING)
 
 _LABELS = ["service", "instance"]
 
