@@ -88,11 +88,23 @@ class KVStoreService:
     # ---------------------------------------------------------------------------------- lifecycle
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Serve until `stop` is set. A stop while still starting (NATS not reachable yet: the
+        connection retries forever) abandons the start."""
+        starting = asyncio.create_task(self.start())
+        stopping = asyncio.create_task(stop.wait())
         try:
-            await self.start()
-            await stop.wait()
+            await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if starting.done():
+                starting.result()  # a failed start raises here
+                await stopping
+            else:
+                log.info("kvstore %s: stopped before it finished starting", self.store)
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
         finally:
-            await self.stop()  # also after a failed start: whatever was set up is torn down
+            starting.cancel()
+            stopping.cancel()
+            await self.stop()  # tears down whatever was set up, also after a failed start
 
     async def start(self) -> None:
         cfg = self.config
@@ -217,6 +229,10 @@ class KVStoreService:
         except Exception as exc:  # connection trouble: the client times out and retries
             log.warning("kvstore %s: cannot answer %s: %s", self.store, name, exc)
 
+    async def _respond_read_error(self, msg: NatsMsg, code: ErrorCode, message: str) -> None:
+        chunk = KVReadChunk(slot=-1, offset=0, data=b"", last=True, error_code=code, error=message)
+        await self._respond(msg, "read", encode(chunk))
+
     async def _on_read(self, msg: NatsMsg) -> None:
         # Each read streams on its own task, so one long read does not hold up the next.
         task = asyncio.create_task(self._stream_read(msg))
@@ -233,11 +249,12 @@ class KVStoreService:
             self.pool.check_readable(req.lease_id, req.slots)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning("kvstore %s: malformed read request (%d bytes): %s", self.store, len(msg.data), exc)
-            await self._respond(msg, "read", encode(_read_error(ErrorCode.BAD_REQUEST, f"malformed read request: {exc}")))
-            return
+            return await self._respond_read_error(msg, ErrorCode.BAD_REQUEST, f"malformed read request: {exc}")
         except PoolError as exc:
-            await self._respond(msg, "read", encode(_read_error(exc.code, str(exc))))
-            return
+            return await self._respond_read_error(msg, exc.code, str(exc))
+        except Exception as exc:
+            log.exception("kvstore %s: read failed", self.store)
+            return await self._respond_read_error(msg, ErrorCode.INTERNAL, f"read failed: {exc!r}")
         if not req.slots or not msg.reply:
             await self._respond(msg, "read", encode(KVReadChunk(slot=-1, offset=0, data=b"", last=True)))
             return
@@ -269,10 +286,6 @@ class KVStoreService:
                 self.pool.expire()
             except Exception:
                 log.exception("kvstore %s: releasing expired leases failed", self.store)
-
-
-def _read_error(code: ErrorCode, message: str) -> KVReadChunk:
-    return KVReadChunk(slot=-1, offset=0, data=b"", last=True, error_code=code, error=message)
 
 
 async def run_kvstore(config: KVStoreConfig, stop_event: asyncio.Event) -> None:

@@ -78,7 +78,7 @@ class KVStoreClient:
         if expected_layout is not None and info.layout != expected_layout:
             raise KVStoreError(ErrorCode.BAD_REQUEST, f"kvstore {self.store!r} holds blocks of layout {info.layout!r}, "
                                                       f"this worker's model needs {expected_layout!r}")
-        self.close_segment()
+        self._close_segment()
         if self.use_shm and info.shm_name:
             size = info.num_slots * info.block_bytes
             try:
@@ -113,9 +113,9 @@ class KVStoreClient:
 
     async def close(self) -> None:
         """Unmap the segment (the NATS connection belongs to the caller)."""
-        self.close_segment()
+        self._close_segment()
 
-    def close_segment(self) -> None:
+    def _close_segment(self) -> None:
         self._pool = None
         if self._segment is not None:
             segment, self._segment = self._segment, None
@@ -213,8 +213,8 @@ class KVStoreClient:
                     i = row_of.get(chunk.slot)
                     end = chunk.offset + len(chunk.data)
                     if i is None or chunk.offset < 0 or end > block_bytes:
-                        raise KVStoreError(ErrorCode.INTERNAL, f"kvstore {self.store!r}: read chunk for slot "
-                                                               f"{chunk.slot} [{chunk.offset}, {end}) was not asked for")
+                        raise KVStoreError(ErrorCode.INTERNAL, f"kvstore {self.store!r}: unasked-for read chunk: "
+                                                               f"slot {chunk.slot} [{chunk.offset}, {end})")
                     rows[i, chunk.offset:end] = np.frombuffer(chunk.data, dtype=np.uint8)
                     received[i] += len(chunk.data)
                 if chunk.last:
@@ -272,6 +272,7 @@ class KVStoreClient:
 
 def _as_rows(t: torch.Tensor, n: int, block_bytes: int) -> torch.Tensor:
     """[n, …] tensor of any dtype → [n, block_bytes] uint8 view of the same memory (never a copy)."""
+    t = t.detach()
     if t.dim() == 0 or t.shape[0] != n:
         raise ValueError(f"expected {n} blocks along dim 0, got a tensor of shape {tuple(t.shape)}")
     try:
