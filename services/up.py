@@ -124,9 +124,8 @@ def _start(stack: Stack, args: argparse.Namespace) -> None:
     if args.kv_network:
         worker.append("--kv-network")
     if not colocated:
-        stack.spawn("kvstore", "services.kvstore", ["--nats-url", nats_url, "--redis-url", redis_url, *auth,
-                                                     *model_args[:4], "--store", store,
-                                                     "--num-slots", str(args.kv_slots)])
+        stack.spawn("kvstore", "services.kvstore",
+                    [*conn, *model_args[:4], "--store", store, "--num-slots", str(args.kv_slots)])
         for i in range(args.prefill):
             stack.spawn(f"prefill-{i}", "services.prefill", worker + ["--instance", f"prefill-{i}"])
     for i in range(args.decode):

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 
+from shared.cli_args import add_connection_args
 from services.kvstore.config import KVStoreConfig, default_store_name, layout_for_model
 from services.kvstore.service import run_kvstore
 
@@ -25,7 +26,7 @@ log = logging.getLogger("pdserve.kvstore")
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
     p = argparse.ArgumentParser(prog="python -m services.kvstore", description="pdserve KV block store")
-    p.add_argument("--store", default=env("PDSERVE_KVSTORE_NAME") or default_store_name(),
+    p.add_argument("--store", default=env("PDSERVE_KVSTORE") or default_store_name(),
                    help="instance name (a NATS subject token; default kv-<hostname>-<pid>)")
     p.add_argument("--num-slots", type=int, default=int(env("PDSERVE_KV_SLOTS", "2048")), help="pool size in blocks")
     p.add_argument("--model", default=env("PDSERVE_MODEL"),
@@ -34,12 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="tokens per block")
     p.add_argument("--block-bytes", type=int, default=None, help="give the block size directly (with --layout)")
     p.add_argument("--layout", default=None, help="layout string to announce (with --block-bytes)")
-    p.add_argument("--nats-url", default=env("PDSERVE_NATS_URL", "nats://127.0.0.1:4222"))
-    p.add_argument("--nats-user", default=env("PDSERVE_NATS_USER"))
-    p.add_argument("--nats-password", default=env("PDSERVE_NATS_PASSWORD"))
-    p.add_argument("--nats-token", default=env("PDSERVE_NATS_TOKEN"))
-    p.add_argument("--redis-url", default=env("PDSERVE_REDIS_URL", "redis://127.0.0.1:6379"))
-    p.add_argument("--redis-password", default=env("PDSERVE_REDIS_PASSWORD"))
+    add_connection_args(p)
     p.add_argument("--no-shm", action="store_true", help="private memory: network data path only")
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between stats/registry updates")
     p.add_argument("--log-level", default=env("PDSERVE_LOG_LEVEL", "INFO"))
@@ -55,8 +51,8 @@ def config_from_args(args: argparse.Namespace) -> KVStoreConfig:
         block_bytes, layout = args.block_bytes, args.layout
     return KVStoreConfig(
         block_bytes=block_bytes, layout=layout, num_slots=args.num_slots, store=args.store,
-        block_size=args.block_size, nats_url=args.nats_url, nats_user=args.nats_user,
-        nats_password=args.nats_password, nats_token=args.nats_token, redis_url=args.redis_url,
+        block_size=args.block_size, nats_url=args.nats, nats_user=args.nats_user,
+        nats_password=args.nats_password, nats_token=args.nats_token, redis_url=args.redis,
         redis_password=args.redis_password, shared_memory=not args.no_shm, heartbeat_s=args.heartbeat,
         registry_ttl_s=max(5.0, 5 * args.heartbeat),
     )

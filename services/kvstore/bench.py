@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     block_bytes = 2 * torch.Size(SMOLLM2_BLOCK).numel()
     proc = subprocess.Popen([sys.executable, "-m", "services.kvstore", "--store", store, "--block-bytes",
                              str(block_bytes), "--layout", "L30.2.16.H3.D64.bfloat16", "--num-slots",
-                             str(2 * args.blocks), "--nats-url", nats_server.url, "--redis-url", valkey_server.url,
+                             str(2 * args.blocks), "--nats", nats_server.url, "--redis", valkey_server.url,
                              "--log-level", "WARNING"])
     try:
         asyncio.run(_bench(args, nats_server.url, store, proc))

@@ -411,7 +411,7 @@ def test_main_runs_and_stops_on_sigterm(nats_server, valkey_server):
     store = f"p{uuid.uuid4().hex[:10]}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.kvstore", "--store", store, "--block-bytes", "4096", "--layout", LAYOUT,
-         "--num-slots", "4", "--nats-url", nats_server.url, "--redis-url", valkey_server.url],
+         "--num-slots", "4", "--nats", nats_server.url, "--redis", valkey_server.url],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2],
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
