@@ -18,7 +18,7 @@ from shared.engine.engine import LLMEngine
 from shared.engine.sequence import FinishReason
 from shared.protocol import subjects
 from shared.protocol.convert import to_params
-from shared.protocol.messages import DecodeJob, ErrorCode, PrefillJob, Timing, decode
+from shared.protocol.messages import DecodeJob, ErrorCode, PrefillJob, Timing
 from shared.transport import nats_bus
 from shared.transport.kv_client import KVStoreClient, KVStoreError
 from shared.transport.worker import WorkerRuntime, attach_kvstore, safe
@@ -81,18 +81,11 @@ class DecodeWorker(WorkerRuntime):
     # ------------------------------------------------------------------------------- DecodeJob
 
     async def _take_decode(self, msg) -> None:
-        try:
-            job = decode(msg.data, DecodeJob)
-        except Exception as exc:
-            log.error("malformed DecodeJob dropped: %s", exc)
-            await msg.term()
+        job = await self.accept(msg, DecodeJob, on_skip=self._release)
+        if job is None:
             return
         taken = time.time()
         rid = job.request_id
-        if rid in self.cancelled or (job.deadline and taken > job.deadline):
-            await self._release(job)
-            await msg.ack()
-            return
         log.info("took request %s (%d tokens, %d blocks)", rid, len(job.token_ids), len(job.blocks))
         index = job.num_resumed + 1  # the first token was published by the prefill worker
         try:
@@ -147,17 +140,11 @@ class DecodeWorker(WorkerRuntime):
     # ------------------------------------------------------------------------- whole requests
 
     async def _take_whole(self, msg) -> None:
-        try:
-            job = decode(msg.data, PrefillJob)
-        except Exception as exc:
-            log.error("malformed PrefillJob dropped: %s", exc)
-            await msg.term()
+        job = await self.accept(msg, PrefillJob)
+        if job is None:
             return
         taken = time.time()
         rid, index = job.request_id, len(job.resume_ids)
-        if rid in self.cancelled or (job.deadline and taken > job.deadline):
-            await msg.ack()
-            return
         try:
             params = to_params(job.params, num_resumed=index)
         except ValueError as exc:

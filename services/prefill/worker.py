@@ -21,7 +21,7 @@ from shared.engine.sequence import FinishReason
 from shared.kvcache.block_hash import block_keys
 from shared.protocol import subjects
 from shared.protocol.convert import to_params
-from shared.protocol.messages import DecodeJob, ErrorCode, KVBlockRef, PrefillJob, Timing, decode, encode
+from shared.protocol.messages import DecodeJob, ErrorCode, KVBlockRef, PrefillJob, Timing, encode
 from shared.transport import nats_bus
 from shared.transport.kv_client import KVStoreClient, KVStoreError
 from shared.transport.worker import WorkerRuntime, attach_kvstore, keep_in_progress, safe, wait_any
@@ -71,18 +71,12 @@ class PrefillWorker(WorkerRuntime):
             self._room.set()
 
     async def _prefill(self, msg) -> None:
-        try:
-            job = decode(msg.data, PrefillJob)
-        except Exception as exc:
-            log.error("malformed PrefillJob dropped: %s", exc)
-            await msg.term()
+        job = await self.accept(msg, PrefillJob)
+        if job is None:
             return
         taken = time.time()
         rid = job.request_id
         index = len(job.resume_ids)
-        if rid in self.cancelled or (job.deadline and taken > job.deadline):
-            await msg.ack()
-            return
         try:
             params = to_params(job.params, num_resumed=index)
         except ValueError as exc:

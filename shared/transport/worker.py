@@ -74,6 +74,23 @@ class WorkerRuntime:
     def on_cancel(self, request_id: str) -> None:
         """Services override to drop work that is not in the engine yet (e.g. a KV transfer)."""
 
+    async def accept(self, msg, job_type, on_skip=None):
+        """Decode a pulled job; a malformed one is dropped for good (term), one cancelled or past
+        its deadline is acked and skipped (after `await on_skip(job)`, e.g. to free its blocks).
+        Returns the job, or None when there is nothing to do."""
+        try:
+            job = decode(msg.data, job_type)
+        except Exception as exc:
+            log.error("malformed %s dropped: %s", job_type.__name__, exc)
+            await msg.term()
+            return None
+        if job.request_id in self.cancelled or (job.deadline and time.time() > job.deadline):
+            if on_skip is not None:
+                await on_skip(job)
+            await msg.ack()
+            return None
+        return job
+
     def stats(self) -> WorkerStats:
         pool = self.engine.pool
         sched = self.engine.scheduler
