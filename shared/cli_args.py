@@ -23,6 +23,12 @@ def add_connection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-password", default=env("PDSERVE_REDIS_PASSWORD"))
 
 
+def connection_fields(args: argparse.Namespace) -> dict:
+    """The ConnectionConfig fields from `add_connection_args`'s options."""
+    return dict(nats_url=args.nats, nats_user=args.nats_user, nats_password=args.nats_password,
+                nats_token=args.nats_token, redis_url=args.redis, redis_password=args.redis_password)
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=env("PDSERVE_MODEL"),
                    help="GGUF file or Hugging Face model directory (default: SmolLM2-135M-Instruct, pulled on demand)")
@@ -67,9 +73,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
     return WorkerConfig(
         role=role, instance=args.instance or f"{role}-{socket.gethostname()}-{os.getpid()}",
-        engine=engine_config(args), nats_url=args.nats, nats_user=args.nats_user,
-        nats_password=args.nats_password, nats_token=args.nats_token, redis_url=args.redis,
-        redis_password=args.redis_password, kvstore=args.kvstore, kv_use_shm=not args.kv_network,
+        engine=engine_config(args), **connection_fields(args), kvstore=args.kvstore, kv_use_shm=not args.kv_network,
         kv_failure_policy=args.kv_failure_policy, max_inflight=args.max_inflight, ack_wait_s=args.ack_wait,
         max_deliver=args.max_deliver,
     )

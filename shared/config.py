@@ -50,19 +50,25 @@ class EngineConfig:
         return parse_dtype(self.dtype)
 
 
-@dataclass
-class WorkerConfig:
-    """What a prefill, decode or colocated worker needs besides its engine."""
+@dataclass(kw_only=True)
+class ConnectionConfig:
+    """Where NATS and Valkey are, and how to log in: every service has these."""
 
-    role: str  # "prefill" | "decode" | "colocated"
-    instance: str
-    engine: EngineConfig
     nats_url: str = "nats://127.0.0.1:4222"
     nats_user: str | None = None
     nats_password: str | None = None
     nats_token: str | None = None
     redis_url: str = "redis://127.0.0.1:6379"
     redis_password: str | None = None
+
+
+@dataclass(kw_only=True)
+class WorkerConfig(ConnectionConfig):
+    """What a prefill, decode or colocated worker needs besides its engine."""
+
+    role: str  # "prefill" | "decode" | "colocated"
+    instance: str
+    engine: EngineConfig
     kvstore: str = "kv-local"  # the store on this host
     kv_use_shm: bool = True  # false: the network data path (another host, or tests)
     kv_failure_policy: str = "recompute"  # "recompute" the prompt here, or "fail" the request

@@ -15,7 +15,7 @@ import sys
 
 from services.gateway.config import MODES, GatewayConfig
 from services.gateway.server import serve
-from shared.cli_args import add_connection_args
+from shared.cli_args import add_connection_args, connection_fields
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,9 +54,7 @@ def _int_or_none(value: str | None) -> int | None:
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
-        host=args.host, port=args.port, instance=args.instance, nats_url=args.nats, nats_user=args.nats_user,
-        nats_password=args.nats_password, nats_token=args.nats_token, redis_url=args.redis,
-        redis_password=args.redis_password, model=args.model, served_model_name=args.served_model_name,
+        host=args.host, port=args.port, instance=args.instance, **connection_fields(args), model=args.model, served_model_name=args.served_model_name,
         max_model_len=args.max_model_len, mode=args.mode, conditional_threshold=args.conditional_threshold,
         max_concurrent_requests=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens, inactivity_timeout_s=args.inactivity_timeout,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.config import ConnectionConfig
+
 MODES = ("disaggregated", "colocated", "conditional")
 
 # The worker roles that must be alive before a mode can serve a request (DESIGN.md "Modes").
@@ -14,18 +16,12 @@ REQUIRED_ROLES: dict[str, frozenset[str]] = {
 }
 
 
-@dataclass
-class GatewayConfig:
+@dataclass(kw_only=True)
+class GatewayConfig(ConnectionConfig):
     host: str = "127.0.0.1"
     port: int = 8000
     instance: str = "gateway-0"  # label of the gateway's own rows in /metrics
 
-    nats_url: str = "nats://127.0.0.1:4222"
-    nats_user: str | None = None
-    nats_password: str | None = None
-    nats_token: str | None = None
-    redis_url: str = "redis://127.0.0.1:6379"
-    redis_password: str | None = None
 
     model: str | None = None  # GGUF file or HF directory; None: the default model (pulled on demand)
     served_model_name: str | None = None  # None: the default model's id, else the file/directory name

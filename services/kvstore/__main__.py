@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 
-from shared.cli_args import add_connection_args
+from shared.cli_args import add_connection_args, connection_fields
 from services.kvstore.config import KVStoreConfig, default_store_name, layout_for_model
 from services.kvstore.service import run_kvstore
 
@@ -51,9 +51,7 @@ def config_from_args(args: argparse.Namespace) -> KVStoreConfig:
         block_bytes, layout = args.block_bytes, args.layout
     return KVStoreConfig(
         block_bytes=block_bytes, layout=layout, num_slots=args.num_slots, store=args.store,
-        block_size=args.block_size, nats_url=args.nats, nats_user=args.nats_user,
-        nats_password=args.nats_password, nats_token=args.nats_token, redis_url=args.redis,
-        redis_password=args.redis_password, shared_memory=not args.no_shm, heartbeat_s=args.heartbeat,
+        block_size=args.block_size, **connection_fields(args), shared_memory=not args.no_shm, heartbeat_s=args.heartbeat,
         registry_ttl_s=max(5.0, 5 * args.heartbeat),
     )
 

@@ -7,6 +7,7 @@ import re
 import socket
 from dataclasses import dataclass, field
 
+from shared.config import ConnectionConfig
 from shared.kvcache.kv_cache import BLOCK_SIZE
 
 # A store name is one NATS subject token (pd.kv.<store>.<op>) and part of Valkey keys.
@@ -18,19 +19,13 @@ def default_store_name() -> str:
     return f"kv-{host}-{os.getpid()}"
 
 
-@dataclass
-class KVStoreConfig:
+@dataclass(kw_only=True)
+class KVStoreConfig(ConnectionConfig):
     block_bytes: int  # bytes of one KV block (all layers, K and V, block_size tokens)
     layout: str  # e.g. "L30.2.16.H3.D64.bfloat16": workers check it against their model
     num_slots: int = 2048  # pool size in blocks (SmolLM2 bf16: 360 KiB a block → 720 MiB)
     store: str = field(default_factory=default_store_name)
     block_size: int = BLOCK_SIZE  # tokens per block
-    nats_url: str = "nats://127.0.0.1:4222"
-    nats_user: str | None = None
-    nats_password: str | None = None
-    nats_token: str | None = None
-    redis_url: str = "redis://127.0.0.1:6379"
-    redis_password: str | None = None
     shared_memory: bool = True  # False: private memory, network data path only (shm_name "")
     heartbeat_s: float = 1.0  # stats publish, registry refresh, routing-hint sync
     registry_ttl_s: float = 5.0  # a store that stops heartbeating vanishes from the registry
