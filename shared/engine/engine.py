@@ -8,6 +8,7 @@ blocks computed elsewhere. All three are the same step loop.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -65,8 +66,9 @@ class LLMEngine:
         mcfg = model.config
         self.max_model_len = min(config.max_model_len or mcfg.max_model_len, mcfg.max_model_len)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
-            # without chunking a whole prompt must fit one step
-            config.max_num_batched_tokens = self.max_model_len
+            # without chunking a whole prompt must fit one step (a copy: the caller's config stays as given)
+            config = dataclasses.replace(config, max_num_batched_tokens=self.max_model_len)
+            self.config = config
         self.kv_cache = KVCache(mcfg, config.num_kv_blocks, config.block_size,
                                 dtype=next(model.parameters()).dtype, device=config.device)
         self.pool = BlockPool(config.num_kv_blocks, config.enable_prefix_caching)

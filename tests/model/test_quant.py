@@ -28,3 +28,13 @@ def test_quantize_replaces_every_projection():
     n = quantize_linears_int8(model)
     assert n == 4 * model.config.num_layers
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+
+
+def test_large_batches_use_the_dense_matrix():
+    torch.manual_seed(1)
+    dense = torch.nn.Linear(64, 48, bias=False)
+    q = Int8Linear(dense.weight)
+    few = torch.randn(Int8Linear.DENSE_FROM_ROWS - 1, 64, dtype=torch.bfloat16)
+    many = torch.randn(Int8Linear.DENSE_FROM_ROWS, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(q(many), torch.nn.functional.linear(many, dense.weight.bfloat16()))
+    torch.testing.assert_close(q(few), torch._weight_int8pack_mm(few, q.qweight, q.scale))
