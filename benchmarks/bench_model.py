@@ -34,11 +34,18 @@ def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def decode_weight_bytes(model) -> int:
-    """Bytes of weights one decode step reads: every parameter and buffer, except that only one row
-    per token is read from the embedding and rotary tables (so they don't count) unless the
-    embedding doubles as the output head (tied, not quantized), which reads it whole."""
+def decode_weight_bytes(model, batch: int) -> int:
+    """Bytes of weights one decode step of `batch` rows reads: every parameter and buffer, except
+    that only one row per token is read from the embedding and rotary tables (so they don't count,
+    unless the embedding doubles as the output head, which reads it whole), and an int8 layer reads
+    either its int8 matrix or its dense one, depending on the batch."""
+    from shared.model.quant import Int8Linear
+
     skip = {id(model.embed_tokens.weight), id(model.rope.cos), id(model.rope.sin)}
+    for m in model.modules():
+        if isinstance(m, Int8Linear):
+            unused = (m.dense,) if batch < Int8Linear.DENSE_FROM_ROWS else (m.qweight, m.scale)
+            skip |= {id(t) for t in unused}
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in skip}
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     if model.lm_head is None:
@@ -104,7 +111,6 @@ def main() -> int:
     mcfg = engine.model.config
     params = sum(p.numel() for p in engine.model.parameters())
     elem = torch.tensor([], dtype=cfg.torch_dtype).element_size()
-    weight_bytes = decode_weight_bytes(engine.model)
     kv_bytes_per_token = mcfg.kv_values_per_token * elem
     bw = measure_bandwidth()
 
@@ -114,7 +120,7 @@ def main() -> int:
     results["prefill_tok_s"] = args.prefill_tokens / prefill_s
     for b in (int(x) for x in args.batches.split(",")):
         per_step = statistics.median(bench_decode(engine, b, args.context, args.steps) for _ in range(args.repeats))
-        step_bytes = weight_bytes + b * (args.context + args.steps / 2) * kv_bytes_per_token
+        step_bytes = decode_weight_bytes(engine.model, b) + b * (args.context + args.steps / 2) * kv_bytes_per_token
         results["decode"][b] = {
             "step_ms": per_step * 1e3,
             "tok_s": b / per_step,
@@ -125,7 +131,8 @@ def main() -> int:
 
     print(f"# pdserve engine, {mcfg.name}, {args.dtype} + {args.quantization} weights, {results['threads']} threads, torch {torch.__version__}")
     print(f"memory read bandwidth (1 GiB fp32 sum, best of 5): {bw:.1f} GB/s")
-    print(f"weights read per decode step: {weight_bytes / 1e6:.0f} MB; KV per token {kv_bytes_per_token / 1e3:.1f} KB\n")
+    print(f"weights read per decode step: {decode_weight_bytes(engine.model, 1) / 1e6:.0f} MB at batch 1, "
+          f"{decode_weight_bytes(engine.model, 32) / 1e6:.0f} MB at batch 32; KV per token {kv_bytes_per_token / 1e3:.1f} KB\n")
     print("| measure | value |\n|---|---|")
     print(f"| prefill, {args.prefill_tokens}-token prompt | {results['prefill_tok_s']:.0f} tok/s "
           f"({prefill_s * 1e3:.0f} ms) |")
