@@ -201,13 +201,18 @@ def test_bad_requests_get_clear_errors(disagg):
     assert httpx.get(f"{disagg}/health", timeout=10).status_code == 200
 
 
-def test_colocated_and_network_kv_give_identical_tokens(disagg, tmp_path_factory):
+def test_other_modes_and_network_kv_give_identical_tokens(disagg, tmp_path_factory):
+    """colocated; conditional (these prompts are short: decode prefills them itself); and the
+    network KV data path instead of shared memory."""
     prompts = [QUESTION, "Name two planets."]
     expected = [chat(disagg, p, max_tokens=20)["choices"][0]["message"]["content"] for p in prompts]
-    for extra in (("--mode", "colocated", "--decode", "1"), ("--kv-network", "--prefill", "1", "--decode", "1")):
+    for extra in (("--mode", "colocated", "--decode", "1"), ("--mode", "conditional"),
+                  ("--kv-network", "--prefill", "1", "--decode", "1")):
         stack, url = up(tmp_path_factory, *extra)
         try:
             got = [chat(url, p, max_tokens=20)["choices"][0]["message"]["content"] for p in prompts]
         finally:
             stack.stop()
         assert got == expected, extra
+        if "conditional" in extra:  # short prompts went straight to decode, not through prefill
+            assert (stack.workdir / "decode-0.log").read_text().count("tokens, whole)") == len(prompts)
