@@ -232,3 +232,15 @@ def test_write_kv_cache_rejects_bad_inputs():
         write_kv_cache(k, v, k_cache, v_cache, slots[:2])
     with pytest.raises(ValueError, match="slot_mapping must be int32 or int64"):
         write_kv_cache(k, v, k_cache, v_cache, slots.float())
+
+
+def test_decode_rows_of_very_different_lengths_are_grouped():
+    """Short decodes beside a long one (and a prefill chunk) run as separate length groups: same
+    answers as the naive attention, in the right rows."""
+    from shared.kernels.reference import _length_groups
+
+    specs = [(30, 1), (1200, 1), (25, 1), (40, 7), (700, 1), (33, 1)]
+    assert _length_groups([0, 1, 2, 4, 5], [s for s, _ in specs]) == [[2, 0, 5], [4, 1]]
+    args = make_batch(specs, 16, 6, 2, head_dim=16)
+    out = paged_attention(*args, backend="torch")
+    torch.testing.assert_close(out.double(), naive_attention(*args), atol=2e-5, rtol=1e-5)
