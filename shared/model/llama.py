@@ -38,12 +38,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for these positions, [T, 1, Dh/2] each: looked up once per forward pass."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [T, H, Dh]; positions: [T]
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, Dh/2]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return apply_rotary(x, *self.table(positions, x.dtype))
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, Dh]; cos, sin: [T, 1, Dh/2]; pairs (i, i + Dh/2) rotate together
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class Attention(nn.Module):
@@ -56,13 +63,15 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x, positions, rope: RotaryEmbedding, attn: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]):
+    def forward(self, x, rot: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata,
+                kv: tuple[torch.Tensor, torch.Tensor]):
         # x: [T, D]
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rope(q.view(T, self.num_heads, self.head_dim), positions)  # [T, Hq, Dh]
-        k = rope(k.view(T, self.num_kv_heads, self.head_dim), positions)  # [T, Hkv, Dh]
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) Dh]
+        # q and k heads rotate in one call: [T, Hq + Hkv, Dh]
+        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim), *rot)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]  # [T, Hq, Dh], [T, Hkv, Dh]
+        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv
         write_kv_cache(k, v, k_cache, v_cache, attn.slot_mapping)
         o = paged_attention(
@@ -91,8 +100,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope, attn, kv):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn, kv)
+    def forward(self, x, rot, attn, kv):
+        x = x + self.self_attn(self.input_layernorm(x), rot, attn, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -111,8 +120,9 @@ class LlamaModel(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         # input_ids, positions: [T] → hidden states [T, D]
         x = self.embed_tokens(input_ids)
+        rot = self.rope.table(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, attn, kv)
+            x = layer(x, rot, attn, kv)
         return self.norm(x)
 
     @torch.inference_mode()
