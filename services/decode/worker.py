@@ -88,12 +88,9 @@ class DecodeWorker(WorkerRuntime):
         rid = job.request_id
         log.info("took request %s (%d tokens, %d blocks)", rid, len(job.token_ids), len(job.blocks))
         index = job.num_resumed + 1  # the first token was published by the prefill worker
-        try:
-            params = to_params(job.params, num_resumed=job.num_resumed)
-        except ValueError as exc:
+        params = await self.params_or_reject(msg, rid, job.params, job.num_resumed, index)
+        if params is None:
             await self._release(job)
-            await self.publish_error(rid, index, ErrorCode.BAD_REQUEST, str(exc))
-            await msg.ack()
             return
         timing = job.timing
         timing.decode_queue_s = max(0.0, taken - job.created_at) if job.created_at else 0.0
@@ -145,11 +142,8 @@ class DecodeWorker(WorkerRuntime):
             return
         taken = time.time()
         rid, index = job.request_id, len(job.resume_ids)
-        try:
-            params = to_params(job.params, num_resumed=index)
-        except ValueError as exc:
-            await self.publish_error(rid, index, ErrorCode.BAD_REQUEST, str(exc))
-            await msg.ack()
+        params = await self.params_or_reject(msg, rid, job.params, index, index)
+        if params is None:
             return
         log.info("took request %s (%d tokens, whole)", rid, len(job.prompt_ids) + index)
         stream = self.async_engine.add_request(rid, job.prompt_ids + job.resume_ids, params, num_resumed=index)

@@ -16,8 +16,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from shared.protocol.messages import WorkerStats
-from shared.telemetry.names import (CONTRACT_NAMES, E2E, ITL, KV_BLOCKS_IN_USE, KV_TRANSFER, PREFIX_HITS,  # noqa: F401
-                                    PREFIX_QUERIES, REQUESTS_RUNNING, REQUESTS_TOTAL, REQUESTS_WAITING, TTFT)
+from shared.telemetry.names import (E2E, ITL, KV_BLOCKS_IN_USE, KV_TRANSFER, PREFIX_HITS, PREFIX_QUERIES,
+                                    REQUESTS_RUNNING, REQUESTS_TOTAL, REQUESTS_WAITING, TTFT)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

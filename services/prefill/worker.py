@@ -20,7 +20,6 @@ from shared.engine.engine import LLMEngine
 from shared.engine.sequence import FinishReason
 from shared.kvcache.block_hash import block_keys
 from shared.protocol import subjects
-from shared.protocol.convert import to_params
 from shared.protocol.messages import DecodeJob, ErrorCode, KVBlockRef, PrefillJob, Timing, encode
 from shared.transport import nats_bus
 from shared.transport.kv_client import KVStoreClient, KVStoreError
@@ -77,11 +76,8 @@ class PrefillWorker(WorkerRuntime):
         taken = time.time()
         rid = job.request_id
         index = len(job.resume_ids)
-        try:
-            params = to_params(job.params, num_resumed=index)
-        except ValueError as exc:
-            await self.publish_error(rid, index, ErrorCode.BAD_REQUEST, str(exc))
-            await msg.ack()
+        params = await self.params_or_reject(msg, rid, job.params, index, index)
+        if params is None:
             return
         keep_alive = asyncio.create_task(keep_in_progress(msg, self.config.ack_wait_s))
         try:

@@ -24,7 +24,6 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import tokenizers
 from tokenizers import AddedToken, decoders, pre_tokenizers, processors
 

@@ -12,6 +12,7 @@ from shared.config import WorkerConfig
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import LLMEngine
 from shared.protocol import subjects
+from shared.protocol.convert import to_params
 from shared.protocol.messages import Cancel, ErrorCode, Timing, TokenEvent, Usage, WorkerStats, decode, encode
 from shared.transport import nats_bus, valkey
 from shared.transport.heartbeat import heartbeat
@@ -90,6 +91,16 @@ class WorkerRuntime:
             await msg.ack()
             return None
         return job
+
+    async def params_or_reject(self, msg, request_id: str, sampling, num_resumed: int, index: int):
+        """The job's engine parameters; invalid ones end the request with BAD_REQUEST (and the job
+        is acked: retrying cannot help). Returns None then."""
+        try:
+            return to_params(sampling, num_resumed=num_resumed)
+        except ValueError as exc:
+            await self.publish_error(request_id, index, ErrorCode.BAD_REQUEST, str(exc))
+            await msg.ack()
+            return None
 
     def stats(self) -> WorkerStats:
         pool = self.engine.pool

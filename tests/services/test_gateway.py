@@ -22,7 +22,7 @@ from nats.js.errors import NotFoundError
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.gateway.config import GatewayConfig
-from services.gateway.metrics import CONTRACT_NAMES
+from shared.telemetry.names import CONTRACT_NAMES
 from services.gateway.output import OutputText
 from services.gateway.server import serve
 from shared.model.chat_template import render_chat
