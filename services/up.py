@@ -42,6 +42,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-slots", type=int, default=1024, help="kvstore blocks (bf16: 360 KiB each)")
     p.add_argument("--workdir", default=None, help="logs and server state (default: a temp dir)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker")
+    p.add_argument("--gateway-arg", action="append", default=[], help="extra argument for the gateway")
 
 
 class Stack:
@@ -60,6 +61,9 @@ class Stack:
                                 start_new_session=True)  # Ctrl-C reaches `up` only; it stops them in order
         self.procs.append((name, proc))
         log.info("started %s (pid %d), log %s", name, proc.pid, log_file.name)
+
+    def process(self, name: str) -> subprocess.Popen:
+        return dict(self.procs)[name]
 
     def check_alive(self) -> None:
         for name, proc in self.procs:
@@ -134,6 +138,7 @@ def _start(stack: Stack, args: argparse.Namespace) -> None:
     gateway = conn + ["--model", model, "--host", args.host, "--port", str(args.port), "--mode", args.mode]
     if args.api_key:
         gateway += ["--api-key", args.api_key]
+    gateway += args.gateway_arg
     stack.spawn("gateway", "services.gateway", gateway)
 
 
