@@ -87,6 +87,7 @@ class DecodeWorker(WorkerRuntime):
         taken = time.time()
         rid = job.request_id
         log.info("took request %s (%d tokens, %d blocks)", rid, len(job.token_ids), len(job.blocks))
+        await self.publish_tokens(rid, job.num_resumed + 1, [])  # "taken": the gateway now watches this worker
         index = job.num_resumed + 1  # the first token was published by the prefill worker
         params = await self.params_or_reject(msg, rid, job.params, job.num_resumed, index)
         if params is None:
@@ -146,6 +147,7 @@ class DecodeWorker(WorkerRuntime):
         if params is None:
             return
         log.info("took request %s (%d tokens, whole)", rid, len(job.prompt_ids) + index)
+        await self.publish_tokens(rid, index, [])  # "taken"
         stream = self.async_engine.add_request(rid, job.prompt_ids + job.resume_ids, params, num_resumed=index)
         await msg.ack()
         timing = Timing(queue_s=max(0.0, taken - job.created_at) if job.created_at else 0.0)

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default=int(env("PDSERVE_DEFAULT_MAX_TOKENS", defaults.default_max_tokens)))
     p.add_argument("--inactivity-timeout", type=float,
                    default=float(env("PDSERVE_INACTIVITY_TIMEOUT", defaults.inactivity_timeout_s)))
+    p.add_argument("--max-migrations", type=int,
+                   default=int(env("PDSERVE_MAX_MIGRATIONS", defaults.max_migrations)),
+                   help="resubmit a dead decode worker's request this often (0: fail it at once)")
     p.add_argument("--request-timeout", type=float,
                    default=float(env("PDSERVE_REQUEST_TIMEOUT", defaults.request_timeout_s)))
     p.add_argument("--api-key", default=env("PDSERVE_API_KEY"))
@@ -54,10 +57,12 @@ def _int_or_none(value: str | None) -> int | None:
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
-        host=args.host, port=args.port, instance=args.instance, **connection_fields(args), model=args.model, served_model_name=args.served_model_name,
+        host=args.host, port=args.port, instance=args.instance, **connection_fields(args), model=args.model,
+        served_model_name=args.served_model_name,
         max_model_len=args.max_model_len, mode=args.mode, conditional_threshold=args.conditional_threshold,
         max_concurrent_requests=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens, inactivity_timeout_s=args.inactivity_timeout,
+        max_migrations=args.max_migrations,
         request_timeout_s=args.request_timeout, api_key=args.api_key, log_level=args.log_level,
     )
 

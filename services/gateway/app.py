@@ -86,7 +86,7 @@ class GatewayState:
         admission = Admission(config.max_concurrent_requests)
         metrics = GatewayMetrics(config.instance, lambda: (admission.in_flight, admission.awaiting_first_token),
                                  workers.recent_stats)
-        return cls(config, model, nc, js, redis, workers, admission, metrics, Dispatcher(nc, js, config))
+        return cls(config, model, nc, js, redis, workers, admission, metrics, Dispatcher(nc, js, config, workers))
 
     async def stop(self) -> None:
         await self.workers.stop()

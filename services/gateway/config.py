@@ -34,6 +34,8 @@ class GatewayConfig(ConnectionConfig):
     max_body_bytes: int = 4 * 1024 * 1024  # request bodies above it → 413
     default_max_tokens: int = 1024  # cap on max_tokens when a request leaves it out
     inactivity_timeout_s: float = 60.0  # no TokenEvent for this long → error, Cancel published
+    max_migrations: int = 2  # a dead decode worker's request is resubmitted this often, then fails
+    worker_dead_s: float = 3.0  # no heartbeat from the worker streaming a request for this long: dead
     request_timeout_s: float = 600.0  # overall deadline (also PrefillJob.deadline)
     publish_timeout_s: float = 5.0  # JetStream publish ack
     worker_alive_s: float = 5.0  # a WorkerStats this recent counts as alive (/health)
@@ -56,6 +58,8 @@ class GatewayConfig(ConnectionConfig):
                      "worker_stats_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"gateway config: {name} must be positive, got {getattr(self, name)}")
+        if self.max_migrations < 0 or not self.worker_dead_s > 0:
+            raise ValueError("gateway config: max_migrations must be >= 0 and worker_dead_s > 0")
         if self.registry_cache_s < 0 or self.shutdown_grace_s < 0:
             raise ValueError("gateway config: registry_cache_s and shutdown_grace_s must be >= 0")
         if self.max_model_len is not None and self.max_model_len <= 1:

@@ -48,10 +48,26 @@ class StreamError(Exception):
 
 
 class RequestChannel:
-    """The TokenEvents of one request, deduplicated and in order, with bounded waits."""
+    """The TokenEvents of one request, deduplicated and in order, with bounded waits.
 
-    def __init__(self, nc: NATS, request_id: str, *, inactivity_timeout_s: float, deadline_s: float) -> None:
+    Migration: when the worker that streamed the last tokens stops heartbeating (`silent_for` its
+    instance > worker_dead_s) the request is resubmitted through `resubmit(tokens_so_far, attempt)`
+    — prompt + the tokens already streamed, which the prefix cache makes cheap — and the stream goes
+    on from the next index, so the client sees neither a gap nor a duplicate. After
+    `max_migrations` it ends with WORKER_LOST. Only decode-side workers are watched (a decode worker
+    announces a job it takes with an empty event); a dead prefill worker's unacked job is
+    redelivered by JetStream instead."""
+
+    def __init__(self, nc: NATS, request_id: str, *, inactivity_timeout_s: float, deadline_s: float,
+                 resubmit=None, silent_for=None, role_of=None, max_migrations: int = 0,
+                 worker_dead_s: float = 3.0) -> None:
         self.request_id = request_id
+        self._resubmit, self._silent_for, self._role_of = resubmit, silent_for, role_of
+        self._max_migrations, self._worker_dead_s = max_migrations, worker_dead_s
+        self.migrations = 0
+        self._token_ids: list[int] = []  # every output token so far (what a migration resumes after)
+        self._worker = ""  # the decode-side instance holding the request (from its events)
+        self._last_event = time.monotonic()
         self._nc = nc
         self._queue: asyncio.Queue = asyncio.Queue()
         self._sub = None
@@ -100,6 +116,10 @@ class RequestChannel:
             if item is _WAKE:
                 continue
             event: TokenEvent = item
+            if event.worker and self._role_of is not None and self._role_of(event.worker) in ("decode", "colocated"):
+                self._worker = event.worker  # a decode-side worker holds the request now: watch it
+            if not event.token_ids and not event.finished:
+                continue  # a "taken" notice or a duplicate: nothing to stream
             if event.index > self._seen:
                 raise StreamError(ErrorCode.INTERNAL, f"token stream broken: expected token {self._seen}, "
                                                       f"got an event starting at {event.index}")
@@ -109,20 +129,40 @@ class RequestChannel:
             if event.index != self._seen or len(new_ids) != len(event.token_ids):
                 event = msgspec.structs.replace(event, index=self._seen, token_ids=new_ids)
             self._seen += len(new_ids)
+            self._token_ids += new_ids
             self._finished = event.finished
             yield event
 
     async def _next(self) -> object:
-        remaining = self._deadline - time.monotonic()
-        if remaining <= 0:
-            raise StreamError(ErrorCode.TIMEOUT, f"request exceeded its {self._deadline_s:g} s deadline")
-        try:
-            return await asyncio.wait_for(self._queue.get(), min(self._inactivity_timeout_s, remaining))
-        except TimeoutError:
-            if time.monotonic() >= self._deadline:
-                raise StreamError(ErrorCode.TIMEOUT, f"request exceeded its {self._deadline_s:g} s deadline") from None
-            raise StreamError(ErrorCode.TIMEOUT, f"no tokens from the workers for {self._inactivity_timeout_s:g} s"
-                              ) from None
+        while True:
+            now = time.monotonic()
+            remaining = self._deadline - now
+            if remaining <= 0:
+                raise StreamError(ErrorCode.TIMEOUT, f"request exceeded its {self._deadline_s:g} s deadline")
+            idle = now - self._last_event
+            if idle >= self._inactivity_timeout_s:
+                raise StreamError(ErrorCode.TIMEOUT, f"no tokens from the workers for {self._inactivity_timeout_s:g} s")
+            wait = min(remaining, self._inactivity_timeout_s - idle, 1.0)  # wake every second to check
+            try:
+                item = await asyncio.wait_for(self._queue.get(), wait)
+                self._last_event = time.monotonic()
+                return item
+            except TimeoutError:
+                await self._migrate_if_worker_died()
+
+    async def _migrate_if_worker_died(self) -> None:
+        if (self._silent_for is None or self._finished or not self._worker
+                or self._silent_for(self._worker) < self._worker_dead_s):
+            return
+        dead, self._worker = self._worker, ""
+        if self.migrations >= self._max_migrations:
+            raise StreamError(ErrorCode.WORKER_LOST, f"worker {dead} died while streaming this request "
+                                                     f"(after {self.migrations} migrations)")
+        self.migrations += 1
+        log.warning("request %s: worker %s died after %d tokens; resubmitting (migration %d)",
+                    self.request_id, dead, self._seen, self.migrations)
+        await self._resubmit(list(self._token_ids), self.migrations)
+        self._last_event = time.monotonic()
 
     async def close(self, reason: str = "gateway stopped the request") -> None:
         """Unsubscribe; Cancel the request unless the workers already finished it. Idempotent."""
@@ -143,10 +183,11 @@ class RequestChannel:
 class Dispatcher:
     """Routes jobs to a work queue by mode and opens a channel per request."""
 
-    def __init__(self, nc: NATS, js: JetStreamContext, config: GatewayConfig) -> None:
+    def __init__(self, nc: NATS, js: JetStreamContext, config: GatewayConfig, workers=None) -> None:
         self._nc = nc
         self._js = js
         self._config = config
+        self._workers = workers  # WorkerView: who is alive (for migration)
 
     def route(self, num_prompt_tokens: int) -> str:
         """conditional: short prompts go straight to a decode worker, which prefills them itself."""
@@ -156,11 +197,20 @@ class Dispatcher:
 
     async def open(self, request_id: str, prompt_ids: list[int], params: SamplingMsg) -> RequestChannel:
         cfg = self._config
-        channel = RequestChannel(self._nc, request_id, inactivity_timeout_s=cfg.inactivity_timeout_s,
-                                 deadline_s=cfg.request_timeout_s)
         now = time.time()
         job = PrefillJob(request_id=request_id, prompt_ids=prompt_ids, params=params, created_at=now,
                          deadline=now + cfg.request_timeout_s)
+
+        async def resubmit(resume_ids: list[int], attempt: int) -> None:
+            again = msgspec.structs.replace(job, resume_ids=resume_ids, attempt=attempt, created_at=time.time())
+            # through the prefill queue in every mode: prompt + resumed tokens is a long prompt
+            await self._js.publish(subjects.PREFILL_JOBS, encode(again), timeout=cfg.publish_timeout_s)
+
+        channel = RequestChannel(
+            self._nc, request_id, inactivity_timeout_s=cfg.inactivity_timeout_s, deadline_s=cfg.request_timeout_s,
+            resubmit=resubmit, silent_for=self._workers.silent_for if self._workers is not None else None,
+            role_of=self._workers.role_of if self._workers is not None else None,
+            max_migrations=cfg.max_migrations, worker_dead_s=cfg.worker_dead_s)
         try:
             await channel.subscribe()  # first: no event can slip past us
             await self._js.publish(self.route(len(prompt_ids)), encode(job), timeout=cfg.publish_timeout_s)

@@ -67,6 +67,15 @@ class WorkerView:
             del self._heard[key]
         return [h.stats for h in self._heard.values()]
 
+    def silent_for(self, instance: str) -> float:
+        """Seconds since `instance` last sent stats (inf if never heard of)."""
+        at = max((h.at for (_, inst), h in self._heard.items() if inst == instance), default=None)
+        return float("inf") if at is None else time.monotonic() - at
+
+    def role_of(self, instance: str) -> str | None:
+        """The role `instance` heartbeats as (None if never heard of)."""
+        return next((role for role, inst in self._heard if inst == instance), None)
+
     def _heartbeating(self) -> set[tuple[str, str]]:
         now = time.monotonic()
         return {k for k, h in self._heard.items() if now - h.at <= self._alive_s}

@@ -70,9 +70,10 @@ def test_prefill_worker_killed_mid_job_request_completes_once(tmp_path_factory):
 
 
 def test_only_decode_worker_killed_every_stream_ends_with_an_error(tmp_path_factory):
-    """No migration yet: with the decode worker gone, each stream must end with an error event
-    within the gateway's inactivity timeout (5 s here) — none may hang."""
-    stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "1", "--gateway-arg=--inactivity-timeout=5")
+    """Migration limit 0: with the decode worker gone, each stream must end with an error event as
+    soon as the gateway sees the worker dead (3 s without heartbeats) — none may hang."""
+    stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "1", "--gateway-arg=--inactivity-timeout=5",
+                    "--gateway-arg=--max-migrations=0")
     try:
         results = []
         threads = [threading.Thread(target=lambda i=i: results.append(
@@ -87,6 +88,42 @@ def test_only_decode_worker_killed_every_stream_ends_with_an_error(tmp_path_fact
         assert len(results) == 4
         for text, errors, secs in results:
             assert errors, f"stream ended without an error event after {len(text)} chars"
+            assert any("died" in e["message"] or "no tokens" in e["message"] for e in errors), errors
             assert secs < 3 + 5 + 10
+    finally:
+        stack.stop()
+
+
+def test_decode_worker_killed_streams_migrate_and_complete(tmp_path_factory):
+    """SIGKILL one of two decode workers while 6 streams decode: the gateway resubmits the dead
+    worker's requests with the tokens already streamed, and every client receives exactly the
+    undisturbed answer (no gap, no duplicate)."""
+    stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "2", "--gateway-arg=--inactivity-timeout=30")
+    prompts = [f"Write a short story about a robot named Unit {i}." for i in range(6)]
+    try:
+        expected = [chat(url, p, max_tokens=40)["choices"][0]["message"]["content"] for p in prompts]
+        results: dict[int, tuple] = {}
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, stream_events(url, prompts[i], 40)))
+                   for i in range(len(prompts))]
+        log0 = stack.workdir / "decode-0.log"
+        taken_before = log0.read_text().count("took request")
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while log0.read_text().count("took request") == taken_before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # let it stream a few tokens
+        t_kill = time.monotonic()
+        stack.process("decode-0").send_signal(signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a stream hung"
+        recovery = time.monotonic() - t_kill
+        for i, (text, errors, _) in results.items():
+            assert errors == [], (i, errors)
+            assert text == expected[i], i
+        gateway_log = (stack.workdir / "gateway.log").read_text()
+        assert "resubmitting (migration 1)" in gateway_log
+        print(f"all {len(prompts)} streams completed {recovery:.1f} s after the kill")
     finally:
         stack.stop()
