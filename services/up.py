@@ -157,11 +157,7 @@ def wait_healthy(stack: Stack, url: str, timeout: float = 180.0) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    stopping = False
-
-    def on_signal(signum, frame):
-        nonlocal stopping
-        stopping = True
+    def on_signal(signum, frame):  # SIGTERM behaves like Ctrl-C: stop everything in order
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)

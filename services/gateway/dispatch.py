@@ -74,7 +74,6 @@ class RequestChannel:
         self._inactivity_timeout_s = inactivity_timeout_s
         self._deadline = time.monotonic() + deadline_s
         self._deadline_s = deadline_s
-        self._seen = 0  # output tokens received so far = the index the next new token must have
         self._finished = False  # a final event arrived: the workers are done with the request
         self._abort_reason: str | None = None
         self._closed = False
@@ -82,6 +81,11 @@ class RequestChannel:
     @property
     def num_tokens(self) -> int:
         return self._seen
+
+    @property
+    def _seen(self) -> int:
+        """Output tokens received so far = the index the next new token must have."""
+        return len(self._token_ids)
 
     async def subscribe(self) -> None:
         self._sub = await self._nc.subscribe(subjects.tokens(self.request_id), cb=self._on_message)
@@ -128,7 +132,6 @@ class RequestChannel:
                 continue  # a duplicate (e.g. redelivered after a worker restart)
             if event.index != self._seen or len(new_ids) != len(event.token_ids):
                 event = msgspec.structs.replace(event, index=self._seen, token_ids=new_ids)
-            self._seen += len(new_ids)
             self._token_ids += new_ids
             self._finished = event.finished
             yield event

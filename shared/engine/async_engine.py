@@ -49,7 +49,6 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._commands: list[Callable[[], None]] = []
         self._wake = asyncio.Event()
-        self.step_count = 0
 
     # ---------------------------------------------------------------------------------- requests
 
@@ -111,7 +110,6 @@ class AsyncEngine:
                 stopper.cancel()
                 continue
             outputs = await asyncio.to_thread(self.engine.step)
-            self.step_count += 1
             self._deliver(outputs)
 
     def _apply_commands(self) -> None:

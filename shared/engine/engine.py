@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -223,8 +222,6 @@ class LLMEngine:
         return outputs
 
     def _append_token(self, seq: Sequence, token: int) -> None:
-        if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
         seq.output_ids.append(token)
         detok = self._detok.get(seq.request_id)
         delta = detok.push(token) if detok is not None else ""

@@ -40,7 +40,6 @@ class Sequence:
     num_preemptions: int = 0
     prefill_only: bool = False  # role: stop after the first token and keep the blocks for export
     num_resumed: int = 0  # output tokens produced before this engine got the request (migration)
-    first_token_time: float | None = None
     text: str = ""  # detokenized output so far (engines with a tokenizer fill it in)
 
     def __post_init__(self) -> None:

