@@ -4,6 +4,7 @@
     pdserve gateway|prefill|decode|kvstore …       one service on its own (how docker-compose runs them)
     pdserve model pull                             fetch the default model into the cache
     pdserve generate "prompt" [--chat]             stream the model's answer to the terminal
+    pdserve bench --base-url URL [--workload W]    load any OpenAI-compatible server, report TTFT/TPOT/ITL/goodput
 
 Environment variables are read here, once, and passed on as plain values.
 """
@@ -95,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats", action="store_true", help="print TTFT and decode speed to stderr")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    from services.bench.__main__ import add_bench_args, cmd_bench
+
+    bench = sub.add_parser("bench", help="load an OpenAI-compatible server (pdserve, llama-server, vLLM) and "
+                                         "report TTFT, TPOT, ITL, throughput and goodput")
+    add_bench_args(bench)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
