@@ -16,7 +16,6 @@ import sys
 from services.bench.workloads import WORKLOADS, parse_range
 
 
-
 def _rates(text: str) -> tuple[float, ...]:
     return tuple(math.inf if r.strip() == "inf" else float(r) for r in text.split(","))
 
