@@ -2,9 +2,10 @@
 the comparison script draws several systems on one figure with them; `write_plots` draws one
 `pdserve bench` result.
 
-    latency_cdfs.png       CDFs of TTFT, ITL, E2EL, one line per series
+    latency_cdfs.png       CDFs of TTFT, ITL, E2EL, one line per series (`cdf`: one metric)
     itl_over_time.png      every ITL at its token's arrival time; long-prompt arrivals as vertical lines
     throughput_vs_rate.png output tok/s and goodput against the offered request rate (a sweep)
+    `bars`                 grouped bars with their values (the comparison's per-system numbers)
 """
 
 from __future__ import annotations
@@ -60,6 +61,58 @@ def latency_cdfs(series: dict[str, dict[str, Sequence[float]]], path: Path, titl
     if title:
         fig.suptitle(title, fontsize=10)
     return _save(fig, path)
+
+
+def cdf(series: dict[str, Sequence[float]], path: Path, xlabel: str, title: str = "",
+        styles: dict[str, dict] | None = None, ymin: float = 0.0) -> Path:
+    """One metric's CDF, one line per series (log x); `styles`: matplotlib line options per label;
+    `ymin` > 0 zooms into the tail."""
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    left = []  # where each line enters the shown range
+    for label, values in series.items():
+        xs = sorted(values)
+        if xs:
+            style = {"lw": 1.3} | (styles or {}).get(label, {})
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label, drawstyle="steps-post", **style)
+            left.append(xs[min(len(xs) - 1, int(ymin * len(xs)))])
+    ax.set_xscale("log")
+    if left and min(left) > 0:
+        ax.set_xlim(left=0.8 * min(left))
+    ax.set_ylim(ymin, 1.005)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction ≤ x")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if title:
+        ax.set_title(title, fontsize=10)
+    return _save(fig, path)
+
+
+def bars(groups: dict[str, dict[str, float | None]], path: Path, ylabel: str, title: str = "",
+         log: bool = False) -> Path:
+    """Grouped bars: groups (x positions, e.g. systems) × series (bars within a group), values labelled."""
+    series = list(dict.fromkeys(name for values in groups.values() for name in values))
+    width = 0.8 / max(1, len(series))
+    fig, ax = plt.subplots(figsize=(1.6 + 1.5 * len(groups), 3.4))
+    for j, name in enumerate(series):
+        xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(groups))]
+        ys = [values.get(name) or 0.0 for values in groups.values()]
+        rects = ax.bar(xs, ys, width, label=name if len(series) > 1 else None)
+        ax.bar_label(rects, labels=[_short(y) for y in ys], fontsize=7)
+    ax.set_xticks(range(len(groups)), list(groups), fontsize=8)
+    ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3, axis="y")
+    if len(series) > 1:
+        ax.legend(fontsize=7)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return _save(fig, path)
+
+
+def _short(y: float) -> str:
+    return "n/a" if not y else (f"{y:,.0f}" if y >= 100 else f"{y:.3g}")
 
 
 def itl_over_time(traces: Sequence[ItlTrace], path: Path, title: str = "") -> Path:

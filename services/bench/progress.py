@@ -13,6 +13,7 @@ class Progress:
                  log_every_s: float = 10.0):
         self.label, self.total, self.enabled, self.stream = label, total, enabled, stream
         self.done = self.failed = 0
+        self._drawn = -1  # `done` when last drawn
         self.start = self._last_line = time.monotonic()
         self.tty = stream.isatty()
         self.log_every_s = log_every_s
@@ -26,10 +27,11 @@ class Progress:
             self._draw(end="\r" if self.tty else "\n")
 
     def close(self) -> None:
-        if self.enabled:
+        if self.enabled and (self.tty or self._drawn != self.done):
             self._draw(end="\n")
 
     def _draw(self, end: str) -> None:
+        self._drawn = self.done
         elapsed = time.monotonic() - self.start
         if self.total:
             filled = int(30 * self.done / self.total)

@@ -9,8 +9,10 @@ A run sends one workload's requests and waits for every one of them to end. Arri
                   warmup_s on. Run twice, without and with the long prompts (the baseline first),
                   and the chat streams' ITL p99 ratio is reported.
 
-Several rates (a sweep) give one run each, in the order given. Nothing is dropped: a request that
-fails is a record with its status, and the summary checks completed + failed = sent.
+Several rates (a sweep) give one run each, in the order given. Each run (each rate, each
+interference phase) draws its own requests (indices from run × RUN_INDEX_STRIDE), so no prompt is
+sent twice to one server: a repeat would hit its prefix cache and look faster. Nothing is dropped:
+a request that fails is a record with its status, and the summary checks completed + failed = sent.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from services.bench.client import RequestRecord, Target, make_http_client, send
 from services.bench.metrics import SLO, summarize
 from services.bench.progress import Progress
 from services.bench.workloads import WORKLOADS, Dataset, TextGenerator, Workload, poisson_offsets, tokenizer_counter
+
+RUN_INDEX_STRIDE = 1_000_000  # run k sends requests k·stride, k·stride + 1, … (a dataset cycles regardless)
 
 
 @dataclass
@@ -158,14 +162,16 @@ async def run_benchmark_async(config: BenchConfig, transport: httpx.AsyncBaseTra
                             output_tokens=config.output_tokens, text=text)
             long = Workload("long-doc", config.seed, prompt_tokens=config.long_prompt_tokens,
                             output_tokens=config.long_output_tokens, text=text)
-            for phase in config.interference_phases:
-                runs.append(await _run_interference(config, target, client, chat, long, with_long=phase == "long"))
+            for phase in config.interference_phases:  # each phase its own chat prompts, whatever the order
+                with_long = phase == "long"
+                runs.append(await _run_interference(config, target, client, chat, long, with_long,
+                                                    first_chat=RUN_INDEX_STRIDE if with_long else 0))
         else:
             workload = Dataset(config.dataset) if config.dataset else Workload(
                 config.workload, config.seed, prompt_tokens=config.prompt_tokens, output_tokens=config.output_tokens,
                 prefix_tokens=config.prefix_tokens, text=text)
-            for rate in config.request_rates:
-                runs.append(await _run_open(config, target, client, workload, rate))
+            for k, rate in enumerate(config.request_rates):
+                runs.append(await _run_open(config, target, client, workload, rate, first=k * RUN_INDEX_STRIDE))
     return BenchResult(config, model, started, runs)
 
 
@@ -191,8 +197,10 @@ def _run_label(rate: float, cap: int | None) -> str:
     return ", ".join(parts)
 
 
-async def _run_open(config: BenchConfig, target: Target, client: httpx.AsyncClient, workload, rate: float) -> RunResult:
-    """Poisson arrivals at `rate` (inf: at once), at most `max_concurrency` in flight."""
+async def _run_open(config: BenchConfig, target: Target, client: httpx.AsyncClient, workload, rate: float,
+                    first: int) -> RunResult:
+    """Poisson arrivals at `rate` (inf: at once), at most `max_concurrency` in flight; requests
+    first, first + 1, … of the workload."""
     label = _run_label(rate, config.max_concurrency)
     progress = Progress(f"{config.label or workload.name} {label}", config.num_requests, config.progress)
     slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
@@ -200,7 +208,7 @@ async def _run_open(config: BenchConfig, target: Target, client: httpx.AsyncClie
 
     async def one(index: int, at: float) -> RequestRecord:
         try:
-            rec = await send(client, target, workload.request(index), t0, at)
+            rec = await send(client, target, workload.request(first + index), t0, at)
         finally:
             if slots:
                 slots.release()
@@ -229,13 +237,13 @@ async def _run_open(config: BenchConfig, target: Target, client: httpx.AsyncClie
 
 
 async def _run_interference(config: BenchConfig, target: Target, client: httpx.AsyncClient, chat: Workload,
-                            long: Workload, with_long: bool) -> RunResult:
+                            long: Workload, with_long: bool, first_chat: int) -> RunResult:
     """`max_concurrency` chat streams back to back for `duration_s`; long prompts at fixed intervals."""
     label = "with long prompts" if with_long else "baseline"
     progress = Progress(f"{config.label or 'interference'} {label}", None, config.progress)
     window = config.duration_s
     records: list[RequestRecord] = []
-    next_chat = itertools.count()  # both phases send the same chat requests in the same order
+    next_chat = itertools.count(first_chat)
     t0 = time.perf_counter()
 
     async def chat_stream() -> None:

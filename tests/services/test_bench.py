@@ -265,6 +265,8 @@ async def test_runner_rate_sweep_and_interference():
     assert [r.request_rate for r in result.runs] == [50.0, 100.0]
     assert all(r.summary["completed"] == 6 for r in result.runs)
     assert [r.scheduled_s for r in result.runs[0].records] == [t for t, _ in zip(poisson_offsets(50.0, 0), range(6))]
+    prompts = [b["prompt"] for b in server.bodies]
+    assert len(prompts) == 12 and len(set(prompts)) == 12  # no prompt twice: it would hit the prefix cache
 
     mix = BenchConfig("http://fake", model="m", workload="interference", duration_s=0.5, max_concurrency=2,
                       output_tokens=(10, 10), long_output_tokens=(3, 3), long_prompt_tokens=(50, 50),
@@ -275,6 +277,8 @@ async def test_runner_rate_sweep_and_interference():
     assert not base.long_arrivals_s and len(long.long_arrivals_s) == 2  # at 0.1 and 0.3 s
     assert long.summary["by_kind"]["long"]["sent"] == 2
     assert result.interference["ratio"] > 0
+    base_prompts = {r.index for r in base.records}
+    assert not base_prompts & {r.index for r in long.records if r.kind == "chat"}  # each phase its own chat prompts
 
 
 # --------------------------------------------------------------------- the real CLI, a real stack
