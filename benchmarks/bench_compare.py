@@ -22,7 +22,8 @@ the order A B C D for pass 1 and D C B A for pass 2 (full mode). Measurements:
      prompt cache on (default) vs --no-cache-prompt --cache-ram 0.
   e. decode at batch 1: one request at a time, 256 output tokens; tok/s = 1000 / TPOT; MBU = (weight
      bytes + KV bytes) read per step × tok/s ÷ memory read bandwidth measured in this run.
-While each measurement runs, the cores used by other processes are recorded (contention).
+While each measurement runs, the cores used by other processes are recorded (contention). A system
+that fails (to start, or mid-way) is logged in the report's timeline and the others still run.
 """
 
 from __future__ import annotations

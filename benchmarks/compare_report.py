@@ -77,9 +77,12 @@ class Report:
         for key, s in self.systems.items():
             self.add(f"| {key} | {s['title']} | `{s['command']}` | {s['threads']} |")
         self.add("", f"llama-server: `-np {LLAMA_SLOTS} -c {LLAMA_SLOTS * LLAMA_CTX_PER_SLOT}` "
-                     f"({LLAMA_CTX_PER_SLOT} tokens per slot), continuous batching on (the build's default), prompt "
-                     "cache on (`--cache-prompt` default, `--cache-ram` 8 GiB default, `--cache-reuse 0`), logical "
-                     "batch 2048 / physical 512 (defaults: a long prompt is prefilled in one `llama_decode` call). "
+                     f"({LLAMA_CTX_PER_SLOT} tokens per slot, no unified KV: that is only the default with automatic "
+                     "slots), continuous batching on (`-cb`, the build's default), prompt cache on (`--cache-prompt` "
+                     "default: a slot keeps its last prompt's KV and reuses the common prefix; `--cache-ram` 8192 MiB "
+                     "default: prompts are also saved to and restored from host memory; `--cache-reuse 0`: no KV "
+                     "shifting; slots picked by prompt similarity ≥ 0.10, else least recently used), logical batch "
+                     "2048 / physical 512 (defaults: a long prompt is prefilled in one `llama_decode` call). "
                      "pdserve: bf16 activations + int8 weights (the default), its own NATS + Valkey per stack.", "",
                  "Order: " + "; ".join(f"{k}: {' '.join(v)}" for k, v in m["order"].items())
                  + " (then the cache-off systems for d). Within a system, pass 1 measures the interference "
