@@ -91,6 +91,7 @@ class DecodeWorker(WorkerRuntime):
         index = job.num_resumed + 1  # the first token was published by the prefill worker
         params = await self.params_or_reject(msg, rid, job.params, job.num_resumed, index)
         if params is None:
+            self.done(rid, job.attempt)
             await self._release(job)
             return
         timing = job.timing
@@ -99,6 +100,7 @@ class DecodeWorker(WorkerRuntime):
         if blocks is None and self.config.kv_failure_policy == "fail":
             await self.publish_error(rid, index, ErrorCode.KV_TRANSFER_FAILED,
                                      f"KV blocks of request {rid} could not be read from kvstore {job.store}")
+            self.done(rid, job.attempt)
             await msg.ack()
             return
         if blocks is None:  # recompute: prefill prompt + first token here, continue after it
@@ -109,7 +111,7 @@ class DecodeWorker(WorkerRuntime):
                                                      num_resumed=job.num_resumed,
                                                      num_cached_tokens=job.num_cached_tokens)
         await msg.ack()
-        asyncio.create_task(self._stream(stream, job.num_prompt_tokens, job.num_cached_tokens, timing))
+        asyncio.create_task(self._stream(stream, job.attempt, job.num_prompt_tokens, job.num_cached_tokens, timing))
 
     async def _read_blocks(self, job: DecodeJob, timing: Timing):
         """The job's blocks as a tensor, or None when they cannot be had (missing, corrupt, store
@@ -145,18 +147,27 @@ class DecodeWorker(WorkerRuntime):
         rid, index = job.request_id, len(job.resume_ids)
         params = await self.params_or_reject(msg, rid, job.params, index, index)
         if params is None:
+            self.done(rid, job.attempt)
             return
         log.info("took request %s (%d tokens, whole)", rid, len(job.prompt_ids) + index)
         await self.publish_tokens(rid, index, [])  # "taken"
         stream = self.async_engine.add_request(rid, job.prompt_ids + job.resume_ids, params, num_resumed=index)
         await msg.ack()
         timing = Timing(queue_s=max(0.0, taken - job.created_at) if job.created_at else 0.0)
-        asyncio.create_task(self._stream(stream, len(job.prompt_ids), 0, timing))
+        asyncio.create_task(self._stream(stream, job.attempt, len(job.prompt_ids), 0, timing))
 
     # ------------------------------------------------------------------------------ streaming
 
-    async def _stream(self, stream: RequestStream, prompt_tokens: int, cached_tokens: int, timing: Timing) -> None:
+    async def _stream(self, stream: RequestStream, attempt: int, prompt_tokens: int, cached_tokens: int,
+                      timing: Timing) -> None:
         """Publish a request's outputs as TokenEvents until it ends."""
+        try:
+            await self._publish_outputs(stream, prompt_tokens, cached_tokens, timing)
+        finally:
+            self.done(stream.request_id, attempt)
+
+    async def _publish_outputs(self, stream: RequestStream, prompt_tokens: int, cached_tokens: int,
+                               timing: Timing) -> None:
         rid = stream.request_id
         t0 = time.time()
         while True:

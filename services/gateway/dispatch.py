@@ -8,7 +8,8 @@ their first token in the output, so the channel drops what it has already seen a
 forward as a broken stream:
 
     seen = 5      event(index=3, ids=[a b c d])  →  a b are duplicates, c d are new (index 5, 6)
-                  event(index=7, ...)            →  gap: tokens 5, 6 were lost → error
+                  event(index=7, ...)            →  gap: tokens 5, 6 were lost → resubmit after
+                                                    token 4 (a migration), or error
 
 Every way out that is not a final event (client gone, inactivity or deadline timeout, a gap, a
 publish that failed) publishes a Cancel on pd.cancel.<rid>, so workers drop the request and free its
@@ -53,8 +54,9 @@ class RequestChannel:
     Migration: when the worker that streamed the last tokens stops heartbeating (`silent_for` its
     instance > worker_dead_s) the request is resubmitted through `resubmit(tokens_so_far, attempt)`
     — prompt + the tokens already streamed, which the prefix cache makes cheap — and the stream goes
-    on from the next index, so the client sees neither a gap nor a duplicate. After
-    `max_migrations` it ends with WORKER_LOST. Only decode-side workers are watched (a decode worker
+    on from the next index, so the client sees neither a gap nor a duplicate. The replaced attempt is
+    cancelled (a hung worker may wake up) and its late events are dropped. After `max_migrations` it
+    ends with WORKER_LOST. Only decode-side workers are watched (a decode worker
     announces a job it takes with an empty event); a dead prefill worker's unacked job is
     redelivered by JetStream instead."""
 
@@ -64,7 +66,7 @@ class RequestChannel:
         self.request_id = request_id
         self._resubmit, self._silent_for, self._role_of = resubmit, silent_for, role_of
         self._max_migrations, self._worker_dead_s = max_migrations, worker_dead_s
-        self.migrations = 0
+        self.migrations = 0  # = the attempt now running; events of earlier attempts are dropped
         self._token_ids: list[int] = []  # every output token so far (what a migration resumes after)
         self._worker = ""  # the decode-side instance holding the request (from its events)
         self._last_event = time.monotonic()
@@ -120,13 +122,16 @@ class RequestChannel:
             if item is _WAKE:
                 continue
             event: TokenEvent = item
+            if event.attempt < self.migrations:
+                continue  # from an attempt given up on (a hung worker that woke up)
             if event.worker and self._role_of is not None and self._role_of(event.worker) in ("decode", "colocated"):
                 self._worker = event.worker  # a decode-side worker holds the request now: watch it
             if not event.token_ids and not event.finished:
                 continue  # a "taken" notice or a duplicate: nothing to stream
-            if event.index > self._seen:
-                raise StreamError(ErrorCode.INTERNAL, f"token stream broken: expected token {self._seen}, "
-                                                      f"got an event starting at {event.index}")
+            if event.index > self._seen:  # events were lost (e.g. NATS restarted): resume after what we have
+                await self._migrate(f"token stream broken: expected token {self._seen}, "
+                                    f"got an event starting at {event.index}", ErrorCode.INTERNAL)
+                continue
             new_ids = event.token_ids[self._seen - event.index:]
             if not new_ids and not event.finished:
                 continue  # a duplicate (e.g. redelivered after a worker restart)
@@ -157,14 +162,25 @@ class RequestChannel:
         if (self._silent_for is None or self._finished or not self._worker
                 or self._silent_for(self._worker) < self._worker_dead_s):
             return
-        dead, self._worker = self._worker, ""
-        if self.migrations >= self._max_migrations:
-            raise StreamError(ErrorCode.WORKER_LOST, f"worker {dead} died while streaming this request "
-                                                     f"(after {self.migrations} migrations)")
+        await self._migrate(f"worker {self._worker} died while streaming this request", ErrorCode.WORKER_LOST)
+
+    async def _migrate(self, why: str, code: ErrorCode) -> None:
+        """Resubmit prompt + the tokens so far as the next attempt, or fail with `code` once
+        `max_migrations` are used up."""
+        if self._resubmit is None or self.migrations >= self._max_migrations:
+            raise StreamError(code, f"{why} (after {self.migrations} migrations)")
+        # the attempt given up on may still be running (a hung worker wakes up, a stream that lost
+        # events): cancel it so it frees its blocks
+        cancel = Cancel(request_id=self.request_id, reason=f"migrated: {why}", attempt=self.migrations)
+        await self._nc.publish(subjects.cancel(self.request_id), encode(cancel))
         self.migrations += 1
-        log.warning("request %s: worker %s died after %d tokens; resubmitting (migration %d)",
-                    self.request_id, dead, self._seen, self.migrations)
-        await self._resubmit(list(self._token_ids), self.migrations)
+        self._worker = ""
+        log.warning("request %s: %s after %d tokens; resubmitting (migration %d)",
+                    self.request_id, why, self._seen, self.migrations)
+        try:
+            await self._resubmit(list(self._token_ids), self.migrations)
+        except (NatsError, TimeoutError) as exc:
+            raise StreamError(code, f"{why}; resubmitting failed ({type(exc).__name__})") from None
         self._last_event = time.monotonic()
 
     async def close(self, reason: str = "gateway stopped the request") -> None:

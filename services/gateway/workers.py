@@ -68,9 +68,13 @@ class WorkerView:
         return [h.stats for h in self._heard.values()]
 
     def silent_for(self, instance: str) -> float:
-        """Seconds since `instance` last sent stats (inf if never heard of)."""
+        """How long `instance` has been silent while others were heard: seconds between its last
+        stats and the latest stats from any instance (inf if never heard of). Relative, so a pause
+        on our side (NATS restarting, this process stalled) silences everyone alike and kills no one."""
         at = max((h.at for (_, inst), h in self._heard.items() if inst == instance), default=None)
-        return float("inf") if at is None else time.monotonic() - at
+        if at is None:
+            return float("inf")
+        return max(h.at for h in self._heard.values()) - at
 
     def role_of(self, instance: str) -> str | None:
         """The role `instance` heartbeats as (None if never heard of)."""

@@ -76,20 +76,22 @@ class PrefillWorker(WorkerRuntime):
         taken = time.time()
         rid = job.request_id
         index = len(job.resume_ids)
-        params = await self.params_or_reject(msg, rid, job.params, index, index)
-        if params is None:
-            return
         keep_alive = asyncio.create_task(keep_in_progress(msg, self.config.ack_wait_s))
         try:
+            params = await self.params_or_reject(msg, rid, job.params, index, index)
+            if params is None:
+                return
             await self._run_job(job, params, index, taken)
         finally:
             keep_alive.cancel()
+            self.done(rid, job.attempt)
         await msg.ack()
 
     async def _run_job(self, job: PrefillJob, params, index: int, taken: float) -> None:
         rid, tokens = job.request_id, job.prompt_ids + job.resume_ids
         bs = self.engine.config.block_size
-        keys = block_keys(tokens, bs, self.engine.kv.model_id)  # every full block's key
+        # every full block's key (none with prefix caching off: nothing is looked up or indexed)
+        keys = block_keys(tokens, bs, self.engine.kv.model_id) if self.engine.config.enable_prefix_caching else []
         lookup_keys = keys[: (len(tokens) - 1) // bs]  # leave ≥ 1 token to compute
         lease, hits, prefix = "", [], None
         try:

@@ -111,11 +111,15 @@ class TokenEvent(Msg, kw_only=True):
     error_code: ErrorCode = ErrorCode.OK
     error: str = ""
     worker: str = ""  # instance that produced it (for migration and debugging)
+    attempt: int = 0  # the job attempt it belongs to; the gateway drops events of replaced attempts
 
 
 class Cancel(Msg, kw_only=True):
     request_id: str
     reason: str = "client disconnected"
+    # cancel this attempt and the earlier ones only (a migration cancels the attempt it replaces,
+    # which a hung worker may still hold); -1: every attempt
+    attempt: int = -1
 
 
 class WorkerStats(Msg, kw_only=True):

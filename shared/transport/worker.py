@@ -22,19 +22,22 @@ log = logging.getLogger(__name__)
 
 
 class CancelledSet:
-    """Request ids cancelled recently (a cancel may arrive before the job does): bounded, FIFO."""
+    """Requests cancelled recently (a cancel may arrive before the job does), each with the last
+    attempt the cancel covers (-1: every attempt): bounded, FIFO."""
 
     def __init__(self, capacity: int = 100_000):
-        self._ids: OrderedDict[str, float] = OrderedDict()
+        self._ids: OrderedDict[str, int] = OrderedDict()
         self.capacity = capacity
 
-    def add(self, request_id: str) -> None:
-        self._ids[request_id] = time.monotonic()
+    def add(self, request_id: str, attempt: int = -1) -> None:
+        known = self._ids.get(request_id)
+        self._ids[request_id] = -1 if attempt < 0 or known == -1 else max(attempt, known or 0)
         while len(self._ids) > self.capacity:
             self._ids.popitem(last=False)
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._ids
+    def covers(self, request_id: str, attempt: int) -> bool:
+        last = self._ids.get(request_id)
+        return last is not None and (last < 0 or attempt <= last)
 
 
 class WorkerRuntime:
@@ -43,6 +46,7 @@ class WorkerRuntime:
         self.engine = engine
         self.async_engine = AsyncEngine(engine)
         self.cancelled = CancelledSet()
+        self.attempts: dict[str, int] = {}  # request id → the attempt of it this worker holds
         self.nc = None
         self.js = None
         self.redis = None
@@ -68,9 +72,12 @@ class WorkerRuntime:
         except Exception as exc:
             log.warning("malformed cancel on %s: %s", msg.subject, exc)
             return
-        self.cancelled.add(cancel.request_id)
-        self.async_engine.abort(cancel.request_id)
-        self.on_cancel(cancel.request_id)
+        rid = cancel.request_id
+        self.cancelled.add(rid, cancel.attempt)
+        if cancel.attempt >= 0 and self.attempts.get(rid, -1) > cancel.attempt:
+            return  # a later attempt of the request is what this worker holds now
+        self.async_engine.abort(rid)
+        self.on_cancel(rid)
 
     def on_cancel(self, request_id: str) -> None:
         """Services override to drop work that is not in the engine yet (e.g. a KV transfer)."""
@@ -85,12 +92,21 @@ class WorkerRuntime:
             log.error("malformed %s dropped: %s", job_type.__name__, exc)
             await msg.term()
             return None
-        if job.request_id in self.cancelled or (job.deadline and time.time() > job.deadline):
+        rid = job.request_id
+        if self.cancelled.covers(rid, job.attempt) or (job.deadline and time.time() > job.deadline):
             if on_skip is not None:
                 await on_skip(job)
             await msg.ack()
             return None
+        if self.attempts.get(rid, job.attempt) < job.attempt:
+            self.async_engine.abort(rid)  # an earlier attempt (this worker hung and was given up on)
+        self.attempts[rid] = job.attempt
         return job
+
+    def done(self, request_id: str, attempt: int) -> None:
+        """The worker's part of this attempt is over (its events are published)."""
+        if self.attempts.get(request_id) == attempt:
+            del self.attempts[request_id]
 
     async def params_or_reject(self, msg, request_id: str, sampling, num_resumed: int, index: int):
         """The job's engine parameters; invalid ones end the request with BAD_REQUEST (and the job
@@ -113,7 +129,7 @@ class WorkerRuntime:
 
     async def publish_tokens(self, request_id: str, index: int, token_ids: list[int], **fields) -> None:
         event = TokenEvent(request_id=request_id, index=index, token_ids=token_ids, worker=self.config.instance,
-                           **fields)
+                           attempt=self.attempts.get(request_id, 0), **fields)
         await self.nc.publish(subjects.tokens(request_id), encode(event))
 
     async def publish_error(self, request_id: str, index: int, code: ErrorCode, message: str) -> None:

@@ -58,6 +58,7 @@ class ScriptedPeer:
         self.behavior = "normal"
         self.error_code = ErrorCode.INTERNAL
         self.error_at = 2
+        self._stopping = False
         self.token_delay = 0.004
         self.answer_ids = tokenizer.encode(ANSWER, add_special_tokens=False)
         self.jobs: dict[str, tuple[str, PrefillJob]] = {}
@@ -86,9 +87,12 @@ class ScriptedPeer:
         return self
 
     async def stop(self) -> None:
+        self._stopping = True  # nats' fetch may turn a cancellation into a TimeoutError: loops check this too
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            _, pending = await asyncio.wait(list(self._tasks), timeout=5)
+            assert not pending, f"peer tasks ignore cancellation: {pending}"
         await self.redis.delete(*(subjects.registry_key(role, f"peer-{role}") for role in self.roles))
         await self.redis.aclose()
         for stream, durable in ((subjects.PREFILL_STREAM, "prefill"), (subjects.DECODE_STREAM, "decode-direct")):
@@ -124,14 +128,14 @@ class ScriptedPeer:
             await self.nc.publish(subjects.stats(role, stats.instance), encode(stats))
 
     async def _heartbeat_loop(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(0.5)
             await self._heartbeat()
 
     # -- jobs
 
     async def _fetch_loop(self, psub, subject: str) -> None:
-        while True:
+        while not self._stopping:
             try:
                 msgs = await psub.fetch(batch=8, timeout=0.5)
             except TimeoutError:  # nats' own TimeoutError, or asyncio's when the client side expires
@@ -161,11 +165,13 @@ class ScriptedPeer:
         ids, finish, stop_reason = self._script(job)
 
         async def send(event: TokenEvent) -> None:
+            event.attempt = job.attempt
             await self.nc.publish(subject, encode(event))
 
         for i, token in enumerate(ids):
-            if rid in self.cancels:
-                return  # a worker drops a cancelled request at its next step
+            cancel = self.cancels.get(rid)
+            if cancel is not None and (cancel.attempt < 0 or job.attempt <= cancel.attempt):
+                return  # a worker drops a cancelled request (attempt) at its next step
             if self.behavior == "stall" and i == 2:
                 return
             if self.behavior == "error" and i == self.error_at:
@@ -475,12 +481,24 @@ async def test_duplicates_are_dropped(client, peer):
     assert resp.json()["choices"][0]["text"] == ANSWER
 
 
-async def test_gap_ends_stream_with_error_and_cancel(client, peer):
+async def test_gap_resubmits_after_the_tokens_received_then_errors_and_cancels(client, peer):
+    """Lost events (a gap) are recovered like a dead worker: the request is resubmitted with the
+    tokens received so far, and the attempt it replaces cancelled; this peer loses token 2 every
+    time, so after the migrations are used up the stream ends with an error and a Cancel of all."""
     peer.behavior = "gap"
     events = await stream_events(client, "/v1/chat/completions", CHAT)
     assert events[-1] == "[DONE]"
     assert "error" in events[-2] and "broken" in events[-2]["error"]["message"]
-    await peer.wait_cancel(request_id(events[0]))
+    rid = request_id(events[0])
+    _, last_job = peer.jobs[rid]
+    assert last_job.attempt == 2 and last_job.resume_ids == peer.answer_ids[:2]
+    assert chat_text(events[:-2]) == peer.tokenizer.decode(peer.answer_ids[:2])
+    await peer.wait_cancel(rid)
+    for _ in range(50):  # the targeted cancels came first; the final one cancels every attempt
+        if peer.cancels[rid].attempt == -1:
+            break
+        await asyncio.sleep(0.1)
+    assert peer.cancels[rid].attempt == -1
 
 
 async def test_worker_error_event(gateway, client, peer):
