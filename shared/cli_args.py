@@ -66,8 +66,10 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-failure-policy", default=env("PDSERVE_KV_FAILURE_POLICY", "recompute"),
                    choices=["recompute", "fail"])
     p.add_argument("--max-inflight", type=int, default=int(env("PDSERVE_MAX_INFLIGHT", "4")))
-    p.add_argument("--ack-wait", type=float, default=float(env("PDSERVE_ACK_WAIT", "30")))
+    p.add_argument("--ack-wait", type=float, default=float(env("PDSERVE_ACK_WAIT", "10")))
     p.add_argument("--max-deliver", type=int, default=int(env("PDSERVE_MAX_DELIVER", "3")))
+    p.add_argument("--lease-ttl", type=float, default=float(env("PDSERVE_LEASE_TTL", "60")),
+                   help="seconds a request's KV blocks stay leased in the kvstore if no one releases them")
 
 
 def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
@@ -75,5 +77,5 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
         role=role, instance=args.instance or f"{role}-{socket.gethostname()}-{os.getpid()}",
         engine=engine_config(args), **connection_fields(args), kvstore=args.kvstore, kv_use_shm=not args.kv_network,
         kv_failure_policy=args.kv_failure_policy, max_inflight=args.max_inflight, ack_wait_s=args.ack_wait,
-        max_deliver=args.max_deliver,
+        max_deliver=args.max_deliver, lease_ttl_s=args.lease_ttl,
     )

@@ -73,7 +73,9 @@ class WorkerConfig(ConnectionConfig):
     kv_use_shm: bool = True  # false: the network data path (another host, or tests)
     kv_failure_policy: str = "recompute"  # "recompute" the prompt here, or "fail" the request
     max_inflight: int = 4  # prefill: jobs taken at once (beyond that, they wait in the queue)
-    ack_wait_s: float = 30.0  # a job not acked by then is redelivered (its worker died)
+    # a job not acked by then is redelivered (its worker died holding it); a prefill keeps its job
+    # alive with in_progress every ack_wait/3, a decode worker acks once the request is in its batch
+    ack_wait_s: float = 10.0
     max_deliver: int = 3
     lease_ttl_s: float = 60.0  # how long KV blocks wait for a decode worker
 

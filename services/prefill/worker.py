@@ -82,10 +82,11 @@ class PrefillWorker(WorkerRuntime):
             if params is None:
                 return
             await self._run_job(job, params, index, taken)
+            keep_alive.cancel()
+            await msg.ack()
         finally:
             keep_alive.cancel()
-            self.done(rid, job.attempt)
-        await msg.ack()
+            self.done(rid, job.attempt)  # after the ack: a draining worker waits for this
 
     async def _run_job(self, job: PrefillJob, params, index: int, taken: float) -> None:
         rid, tokens = job.request_id, job.prompt_ids + job.resume_ids

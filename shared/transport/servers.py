@@ -80,11 +80,16 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
 
-    def restart(self) -> None:
-        """Stop and start again on the same port (fault-injection tests)."""
-        self.stop()
+    def start(self) -> None:
+        """Start again on the same port, with the same state directory (fault-injection tests)."""
+        if self.proc.poll() is None:
+            raise RuntimeError(f"{self.name} is still running")
         self.proc = _spawn(self.args, self.workdir, self.name)
         wait_for_port(self.port, proc=self.proc)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
 
 
 def die_with_parent() -> None:

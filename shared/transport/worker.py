@@ -215,8 +215,12 @@ async def run_worker(worker: WorkerRuntime, grace_s: float = 10.0) -> None:
     if job_loop in done:
         job_loop.result()  # a fatal error: raise it
     job_loop.cancel()
-    log.info("draining: %d requests in flight", worker.async_engine.num_requests)
+    log.info("draining: %d requests in flight", len(worker.attempts))
     deadline = loop.time() + grace_s
-    while worker.async_engine.num_requests and loop.time() < deadline:
+    # a request is done when its last event is published (decode) or its job acked (prefill);
+    # what is still held at the deadline is handed back: the gateway migrates it, JetStream redelivers
+    while (worker.attempts or worker.async_engine.num_requests) and loop.time() < deadline:
         await asyncio.sleep(0.05)
+    if worker.attempts:
+        log.warning("grace period over: handing back %d requests", len(worker.attempts))
     await worker.shutdown()

@@ -16,6 +16,24 @@ from tests.services.test_e2e import MODEL, chat, metric_values, up
 
 pytestmark = pytest.mark.slow
 
+
+def blocks_in_use(url: str) -> dict[str, float]:
+    """`pdserve_kv_blocks_in_use` of every service instance the gateway hears from."""
+    return metric_values(url, "pdserve_kv_blocks_in_use")
+
+
+def wait_no_blocks_in_use(url: str, timeout: float = 30.0) -> dict[str, float]:
+    """Until every service reports 0 KV blocks in use (a dead worker's row drops out after the
+    gateway's stats TTL, 10 s); fails with the last reading."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = blocks_in_use(url)
+        if rows and not any(rows.values()):
+            return rows
+        if time.monotonic() > deadline:
+            raise AssertionError(f"KV blocks still in use after {timeout:.0f} s: {rows}")
+        time.sleep(0.5)
+
 def long_prompt(seed: int) -> str:
     """~2,000 tokens, different from the first block on for each seed (no prefix-cache sharing)."""
     return f"Document {seed}. " + " ".join(f"Line {i}: the fox {seed} jumps over dog {i * seed}." for i in range(170))
@@ -94,36 +112,122 @@ def test_only_decode_worker_killed_every_stream_ends_with_an_error(tmp_path_fact
         stack.stop()
 
 
-def test_decode_worker_killed_streams_migrate_and_complete(tmp_path_factory):
-    """SIGKILL one of two decode workers while 6 streams decode: the gateway resubmits the dead
-    worker's requests with the tokens already streamed, and every client receives exactly the
-    undisturbed answer (no gap, no duplicate)."""
+def run_streams(url: str, prompts: list[str], max_tokens: int) -> dict[int, tuple]:
+    """Start one streaming request per prompt, each in its own thread; returns the results dict
+    (filled as they end) and the threads."""
+    results: dict[int, tuple] = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, stream_events(url, prompts[i], max_tokens)))
+               for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    return results, threads
+
+
+def join_all(threads: list[threading.Thread], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), f"{sum(t.is_alive() for t in threads)} streams hung"
+
+
+def wait_taken(log_path, before: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while log_path.read_text().count("took request") == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_decode_worker_killed_40_streams_migrate_and_complete(tmp_path_factory):
+    """SIGKILL one of two decode workers while 40 streams decode: the gateway resubmits the dead
+    worker's requests with the tokens already streamed; every client receives exactly the
+    undisturbed answer (no gap, no duplicate), and afterwards no block is in use anywhere."""
     stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "2", "--gateway-arg=--inactivity-timeout=30")
-    prompts = [f"Write a short story about a robot named Unit {i}." for i in range(6)]
+    prompts = [f"Write a short story about a robot named Unit {i}." for i in range(40)]
     try:
-        expected = [chat(url, p, max_tokens=40)["choices"][0]["message"]["content"] for p in prompts]
-        results: dict[int, tuple] = {}
-        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, stream_events(url, prompts[i], 40)))
-                   for i in range(len(prompts))]
+        results, threads = run_streams(url, prompts, 24)  # undisturbed, with the same concurrency
+        join_all(threads, 180)
+        expected = {i: text for i, (text, errors, _) in results.items() if not errors}
+        assert len(expected) == len(prompts)
         log0 = stack.workdir / "decode-0.log"
         taken_before = log0.read_text().count("took request")
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while log0.read_text().count("took request") == taken_before and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.5)  # let it stream a few tokens
+        results, threads = run_streams(url, prompts, 24)
+        wait_taken(log0, taken_before)
+        time.sleep(1.0)  # let it stream a few tokens
         t_kill = time.monotonic()
         stack.process("decode-0").send_signal(signal.SIGKILL)
-        for t in threads:
-            t.join(120)
-        assert not any(t.is_alive() for t in threads), "a stream hung"
+        join_all(threads, 180)
         recovery = time.monotonic() - t_kill
-        for i, (text, errors, _) in results.items():
+        migrated = (stack.workdir / "gateway.log").read_text().count("resubmitting (migration 1)")
+        for i, (text, errors, _) in sorted(results.items()):
             assert errors == [], (i, errors)
             assert text == expected[i], i
-        gateway_log = (stack.workdir / "gateway.log").read_text()
-        assert "resubmitting (migration 1)" in gateway_log
-        print(f"all {len(prompts)} streams completed {recovery:.1f} s after the kill")
+        assert migrated > 0
+        leaks = wait_no_blocks_in_use(url)
+        print(f"40 streams: {migrated} migrated, all completed identically {recovery:.1f} s after the kill; "
+              f"blocks in use afterwards: {leaks}")
+    finally:
+        stack.stop()
+
+
+def test_hung_decode_worker_is_treated_as_dead_and_frees_its_blocks_when_it_wakes(tmp_path_factory):
+    """SIGSTOP one of two decode workers mid-stream: its streams migrate and complete identically.
+    SIGCONT it later: it drops the replaced attempts (the gateway cancelled them), frees their
+    blocks, heartbeats again and serves new requests; nothing is left in use anywhere."""
+    stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "2", "--gateway-arg=--inactivity-timeout=30")
+    prompts = [f"Tell me about the planet number {i} of a faraway star." for i in range(8)]
+    try:
+        results, threads = run_streams(url, prompts, 32)
+        join_all(threads, 120)
+        expected = {i: text for i, (text, _, _) in results.items()}
+        log0 = stack.workdir / "decode-0.log"
+        taken_before = log0.read_text().count("took request")
+        results, threads = run_streams(url, prompts, 32)
+        wait_taken(log0, taken_before)
+        time.sleep(0.5)
+        victim = stack.process("decode-0")
+        victim.send_signal(signal.SIGSTOP)
+        t_stop = time.monotonic()
+        try:
+            join_all(threads, 120)
+            recovery = time.monotonic() - t_stop
+        finally:
+            victim.send_signal(signal.SIGCONT)
+        for i, (text, errors, _) in sorted(results.items()):
+            assert errors == [], (i, errors)
+            assert text == expected[i], i
+        assert "resubmitting (migration 1)" in (stack.workdir / "gateway.log").read_text()
+        wait_no_blocks_in_use(url)  # the woken worker aborted what it held
+        deadline = time.monotonic() + 20
+        while 'instance="decode-0"' not in str(blocks_in_use(url)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert 'instance="decode-0"' in str(blocks_in_use(url)), "the woken worker does not heartbeat"
+        results, threads = run_streams(url, prompts, 8)  # and the pool serves again
+        join_all(threads, 120)
+        assert all(not errors and text == expected[i][:len(text)] and text for i, (text, errors, _) in results.items())
+        print(f"hung worker: its streams completed {recovery:.1f} s after SIGSTOP")
+    finally:
+        stack.stop()
+
+
+def test_decode_worker_sigterm_finishes_its_streams_then_exits(tmp_path_factory):
+    """Graceful shutdown: SIGTERM a decode worker mid-stream: it stops taking jobs, finishes what
+    it holds (within its grace period), and exits 0; no stream is cut."""
+    stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "2")
+    prompts = [f"Describe a city called Town {i}." for i in range(6)]
+    try:
+        log0 = stack.workdir / "decode-0.log"
+        taken_before = log0.read_text().count("took request")
+        results, threads = run_streams(url, prompts, 24)
+        wait_taken(log0, taken_before)
+        time.sleep(0.3)
+        victim = stack.process("decode-0")
+        victim.send_signal(signal.SIGTERM)
+        assert victim.wait(30) == 0
+        join_all(threads, 120)
+        for i, (text, errors, _) in sorted(results.items()):
+            assert errors == [] and text, (i, errors)
+        assert "resubmitting" not in (stack.workdir / "gateway.log").read_text()
+        # the survivor serves new requests
+        assert chat(url, "Say hello.", max_tokens=4)["usage"]["completion_tokens"] == 4
+        wait_no_blocks_in_use(url)
     finally:
         stack.stop()

@@ -1,0 +1,343 @@
+"""Reliability on the whole stack (real nats-server, valkey-server, kvstore, workers, gateway, the
+real model): authentication on every link, a table of bad inputs, fuzzing, a disconnect storm,
+and NATS / Valkey restarting under load. Every request must end, and no KV block may stay in use."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.services.test_e2e import MODEL, up
+from tests.services.test_faults import join_all, run_streams, wait_no_blocks_in_use
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
+COMPLETION = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    """A stack with every credential on: NATS user/password, a Valkey password, an API key. The
+    fast default precision (bf16 + int8): these tests check lifetimes and errors, not exact text."""
+    stack, url = up(tmp_path_factory, "--dtype", "bfloat16", "--quantization", "int8",
+                    "--nats-user", "pd", "--nats-password", "nats-secret", "--redis-password", "valkey-secret",
+                    "--api-key", API_KEY, "--gateway-arg=--default-max-tokens=8")
+    yield stack, url
+    stack.stop()
+
+
+def healthy_and_serving(url: str) -> None:
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    r = httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
+
+
+# ----------------------------------------------------------------------------------- credentials
+
+
+async def test_nats_and_valkey_refuse_clients_without_credentials(secured):
+    import nats
+    import redis.asyncio as aioredis
+    from nats.errors import NoServersError
+    from redis.exceptions import AuthenticationError, ResponseError
+
+    stack, url = secured
+    nats_server, valkey_server = stack.servers
+    with pytest.raises((NoServersError, nats.errors.Error, OSError)):
+        await nats.connect(nats_server.url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2)
+    nc = await nats.connect(nats_server.url, user="pd", password="nats-secret", allow_reconnect=False)
+    await nc.close()
+    r = aioredis.from_url(valkey_server.url)
+    with pytest.raises((AuthenticationError, ResponseError)):
+        await r.ping()
+    await r.aclose()
+    healthy_and_serving(url)  # and the services, given the credentials by `pdserve up`, work
+
+
+# ------------------------------------------------------------------------------------ bad inputs
+
+LONG_PROMPT = "word " * 9000  # > the 8,192-token context
+
+# (case, method, path, body: dict | bytes | None, headers, expected status, a word the error message names)
+BAD_INPUTS = [
+    ("no api key", "POST", "/v1/chat/completions", CHAT, {"Authorization": ""}, 401, "API key"),
+    ("wrong api key", "POST", "/v1/chat/completions", CHAT, {"Authorization": "Bearer nope"}, 401, "API key"),
+    ("basic auth scheme", "POST", "/v1/completions", COMPLETION, {"Authorization": f"Basic {API_KEY}"}, 401, "API key"),
+    ("models without key", "GET", "/v1/models", None, {"Authorization": ""}, 401, "API key"),
+    ("malformed json", "POST", "/v1/chat/completions", b'{"model": "x", "messages": [', {}, 400, "JSON"),
+    ("invalid utf-8", "POST", "/v1/completions", b'{"model": "m", "prompt": "\xff\xfe\xfa"}', {}, 400, ""),
+    ("stream_options without stream", "POST", "/v1/chat/completions",
+     {**CHAT, "stream_options": {"include_usage": True}}, {}, 400, "stream"),
+    ("json null body", "POST", "/v1/completions", b"null", {}, 400, "object"),
+    ("body is a string", "POST", "/v1/chat/completions", b'"hello"', {}, 400, "object"),
+    ("empty body", "POST", "/v1/chat/completions", b"", {}, 400, ""),
+    ("form content type", "POST", "/v1/completions", b"prompt=hi", {"content-type": "application/x-www-form-urlencoded"},
+     415, "application/json"),
+    ("body over the size limit", "POST", "/v1/completions", b'{"prompt": "' + b"a" * (5 << 20) + b'"}', {}, 413,
+     "limit"),
+    ("prompt longer than the context", "POST", "/v1/completions", {**COMPLETION, "prompt": LONG_PROMPT}, {}, 400,
+     "context"),
+    ("max_tokens beyond the context", "POST", "/v1/completions", {**COMPLETION, "max_tokens": 10**6}, {}, 400,
+     "max_tokens"),
+    ("max_tokens huge integer", "POST", "/v1/completions", {**COMPLETION, "max_tokens": 10**30}, {}, 400,
+     "max_tokens"),
+    ("max_tokens negative", "POST", "/v1/chat/completions", {**CHAT, "max_tokens": -1}, {}, 400, "max_tokens"),
+    ("max_tokens as string", "POST", "/v1/chat/completions", {**CHAT, "max_tokens": "4"}, {}, 400, "max_tokens"),
+    ("temperature NaN literal", "POST", "/v1/completions", b'{"prompt": "a", "temperature": NaN}', {}, 400, "JSON"),
+    ("temperature 1e309", "POST", "/v1/completions", b'{"prompt": "a", "temperature": 1e309}', {}, 400, ""),
+    ("top_p above 1", "POST", "/v1/completions", {**COMPLETION, "top_p": 1.01}, {}, 400, "top_p"),
+    ("top_k as list", "POST", "/v1/completions", {**COMPLETION, "top_k": [1]}, {}, 400, "top_k"),
+    ("seed as float", "POST", "/v1/completions", {**COMPLETION, "seed": 1.5}, {}, 400, "seed"),
+    ("stream as string", "POST", "/v1/chat/completions", {**CHAT, "stream": "true"}, {}, 400, "stream"),
+    ("messages empty", "POST", "/v1/chat/completions", {**CHAT, "messages": []}, {}, 400, "messages"),
+    ("message without role", "POST", "/v1/chat/completions", {**CHAT, "messages": [{"content": "hi"}]}, {}, 400,
+     "role"),
+    ("message content a number", "POST", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": 12}]}, {}, 400, "content"),
+    ("prompt token id negative", "POST", "/v1/completions", {**COMPLETION, "prompt": [1, -3]}, {}, 400, ""),
+    ("prompt token id outside vocab", "POST", "/v1/completions", {**COMPLETION, "prompt": [10**9]}, {}, 400,
+     "vocabulary"),
+    ("prompt a dict", "POST", "/v1/completions", {**COMPLETION, "prompt": {"text": "hi"}}, {}, 400, "prompt"),
+    ("stop too many", "POST", "/v1/completions", {**COMPLETION, "stop": list("abcdefg")}, {}, 400, "stop"),
+    ("unknown model", "POST", "/v1/completions", {**COMPLETION, "model": "llama-70b"}, {}, 404, "llama-70b"),
+    ("n = 3", "POST", "/v1/chat/completions", {**CHAT, "n": 3}, {}, 400, "n"),
+    ("unknown route", "POST", "/v1/embeddings", COMPLETION, {}, 404, ""),
+    ("wrong method", "GET", "/v1/chat/completions", None, {}, 405, ""),
+]
+
+
+def send(url: str, method: str, path: str, body, headers: dict) -> httpx.Response:
+    headers = {**AUTH, **headers}
+    if not headers.get("Authorization"):
+        headers.pop("Authorization")
+    if isinstance(body, bytes):
+        headers.setdefault("content-type", "application/json")
+        return httpx.request(method, f"{url}{path}", content=body, headers=headers, timeout=30)
+    return httpx.request(method, f"{url}{path}", json=body, headers=headers, timeout=30)
+
+
+def test_bad_inputs_get_the_right_4xx_with_an_error_body(secured):
+    _, url = secured
+    assert len(BAD_INPUTS) >= 25
+    failures = []
+    for case, method, path, body, headers, status, needle in BAD_INPUTS:
+        r = send(url, method, path, body, headers)
+        try:
+            error = r.json()["error"]
+            ok = (r.status_code == status and isinstance(error["message"], str) and error["message"]
+                  and needle.lower() in error["message"].lower() and error.get("type"))
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            failures.append(f"{case}: {r.status_code} {r.text[:200]!r}")
+    assert not failures, "\n".join(failures)
+    healthy_and_serving(url)
+    unknown_fields = send(url, "POST", "/v1/chat/completions", {**CHAT, "frobnicate": 3}, {})
+    assert unknown_fields.status_code == 200  # like OpenAI and vLLM: unknown fields are ignored
+
+
+# ---------------------------------------------------------------------------------------- fuzzing
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-10, 16), st.integers(-(10**20), 10**20),
+                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=40))
+_values = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                         st.dictionaries(st.text(max_size=10), inner, max_size=4)),
+                       max_leaves=8)
+_fields = ("model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+           "stream_options", "n", "min_tokens", "ignore_eos", "max_completion_tokens", "user")
+
+
+@st.composite
+def fuzzed_request(draw):
+    """A valid request with some fields replaced by arbitrary JSON, some dropped, some added."""
+    path = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+    body = dict(COMPLETION if path == "/v1/completions" else CHAT)
+    for field in draw(st.lists(st.sampled_from(_fields), max_size=4, unique=True)):
+        if draw(st.booleans()):
+            body[field] = draw(_values)
+        else:
+            body.pop(field, None)
+    if draw(st.integers(0, 9)) == 0:
+        body[draw(st.text(max_size=12))] = draw(_values)
+    # generation length stays small whatever the fuzz picked (the gateway's default is 8 here)
+    if isinstance(body.get("max_tokens"), int) and 16 < body["max_tokens"] < 10**5:
+        body["max_tokens"] = 16
+    return path, body
+
+
+def test_fuzzed_requests_never_get_a_5xx(secured):
+    _, url = secured
+    seen: dict[int, int] = {}
+    with httpx.Client(base_url=url, headers=AUTH, timeout=60) as client:
+
+        @settings(max_examples=150, deadline=None, derandomize=True,
+                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+        @given(fuzzed_request())
+        def check(request):
+            path, body = request
+            r = client.post(path, json=body)
+            seen[r.status_code] = seen.get(r.status_code, 0) + 1
+            assert r.status_code < 500, (body, r.status_code, r.text[:300])
+            if r.status_code >= 400:
+                assert r.json()["error"]["message"], r.text
+            elif body.get("stream") is True:
+                assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
+
+        check()
+    print(f"fuzz: status codes {dict(sorted(seen.items()))}")
+    assert seen.get(200, 0) > 0 and sum(v for k, v in seen.items() if 400 <= k < 500) > 0
+    healthy_and_serving(url)
+
+
+# ------------------------------------------------------------------------------- disconnect storm
+
+
+async def test_disconnect_storm_leaves_no_block_in_use(secured):
+    """50 streams (short chats and ~1,200-token documents), half cut by the client at a random
+    moment — queued, prefilling, moving KV or decoding; the other half complete. Afterwards no KV
+    block is in use in any service, and the server still answers."""
+    _, url = secured
+    rng = random.Random(7)
+    outcome = {"completed": 0, "cut": 0, "errored": 0}
+    errors = []
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        content = (f"Document {i}: " + " ".join(f"fact {j} about item {i}." for j in range(200))
+                   if i % 3 == 0 else f"Tell me a story about the number {i}.")
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 24,
+                "stream": True, "ignore_eos": True}
+        cut_after = rng.uniform(0.05, 6.0) if i % 2 else None
+        lines = []
+
+        async def consume():
+            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200, await r.aread()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line)
+
+        if cut_after is None:
+            await asyncio.wait_for(consume(), 180)
+            if lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines):
+                outcome["completed"] += 1
+            else:
+                outcome["errored"] += 1
+                errors.append(lines[-2:])
+        else:
+            try:
+                await asyncio.wait_for(consume(), cut_after)  # the client goes away: the connection closes
+                outcome["completed"] += 1  # it finished before its cut
+            except TimeoutError:
+                outcome["cut"] += 1
+
+    async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=180,
+                                 limits=httpx.Limits(max_connections=100)) as client:
+        await asyncio.gather(*(one(client, i) for i in range(50)))
+    assert outcome["errored"] == 0 and outcome["completed"] + outcome["cut"] == 50, (outcome, errors)
+    assert outcome["cut"] >= 10, outcome
+    leaks = await asyncio.to_thread(wait_no_blocks_in_use, url, 30)
+    print(f"storm: {outcome}; blocks in use afterwards: {leaks}")
+    await asyncio.to_thread(healthy_and_serving, url)
+
+
+# -------------------------------------------------------------------------- infrastructure restarts
+
+
+def _count(results: dict) -> tuple[int, int]:
+    completed = sum(1 for text, errors, _ in results.values() if not errors and text)
+    errored = sum(1 for _, errors, _ in results.values() if errors)
+    return completed, errored
+
+
+def _wait_serving(url: str, timeout: float) -> float:
+    """Seconds until /health is green and a request succeeds."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            r = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30)
+            if r.status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() - t0 < timeout, "not serving again after the restart"
+        time.sleep(0.5)
+
+
+def test_nats_restart_mid_load_nothing_hangs_and_service_resumes(tmp_path_factory):
+    """NATS goes away for 3 s while 8 streams decode and more requests arrive: every request
+    ends (completed, or an error event) within its bounds; the services reconnect by themselves;
+    new requests succeed; no block stays in use."""
+    stack, url = up(tmp_path_factory, "--dtype", "bfloat16", "--quantization", "int8",
+                    "--gateway-arg=--inactivity-timeout=15", "--worker-arg=--lease-ttl=10")
+    try:
+        nats_server = stack.servers[0]
+        prompts = [f"Write a long letter to friend number {i}." for i in range(8)]
+        results, threads = run_streams(url, prompts, 96)
+        time.sleep(2.0)
+        nats_server.stop()
+        late, late_threads = {}, []
+        for i in range(3):  # requests arriving while NATS is down
+            t = threading.Thread(target=lambda i=i: late.__setitem__(i, _post_status(url)))
+            t.start()
+            late_threads.append(t)
+        time.sleep(3.0)
+        nats_server.start()
+        t_back = time.monotonic()
+        join_all(threads + late_threads, 60)
+        completed, errored = _count(results)
+        assert completed + errored == len(prompts)
+        assert all(status in (200, 503) for status in late.values()), late
+        resume_s = _wait_serving(url, 60)
+        leaks = wait_no_blocks_in_use(url, 30)
+        print(f"NATS restart: streams {completed} completed / {errored} errored / 0 hung; arrivals during the "
+              f"outage answered {sorted(late.values())}; serving again {time.monotonic() - t_back - resume_s:.1f}+"
+              f"{resume_s:.1f} s after NATS came back; blocks in use afterwards {leaks}")
+    finally:
+        stack.stop()
+
+
+def _post_status(url: str) -> int:
+    try:
+        return httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=60).status_code
+    except httpx.HTTPError as exc:
+        return repr(exc)
+
+
+def test_valkey_flushed_then_restarted_mid_load(tmp_path_factory):
+    """Valkey is a hint store: FLUSHALL and then a restart (empty) while 8 streams decode — every
+    stream completes, the registry refills from heartbeats, new requests succeed."""
+    import redis
+
+    stack, url = up(tmp_path_factory, "--dtype", "bfloat16", "--quantization", "int8")
+    try:
+        valkey_server = stack.servers[1]
+        prompts = [f"Write a poem about river number {i}." for i in range(8)]
+        results, threads = run_streams(url, prompts, 64)
+        time.sleep(1.5)
+        redis.Redis.from_url(valkey_server.url).flushall()
+        time.sleep(1.0)
+        valkey_server.stop()
+        time.sleep(2.0)
+        valkey_server.start()
+        join_all(threads, 120)
+        completed, errored = _count(results)
+        assert (completed, errored) == (len(prompts), 0), results
+        _wait_serving(url, 30)
+        deadline = time.monotonic() + 15
+        while not redis.Redis.from_url(valkey_server.url).keys("pd:worker:*") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert redis.Redis.from_url(valkey_server.url).keys("pd:worker:*"), "the registry did not refill"
+        wait_no_blocks_in_use(url, 30)
+    finally:
+        stack.stop()
