@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install run generate test test-fast bench model clean
+.PHONY: install run generate test test-fast bench bench-compare model clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,12 @@ test-fast: install
 
 bench: install model
 	$(BIN)/python benchmarks/bench_model.py
+
+# pdserve (disaggregated, colocated, colocated without chunking) vs llama.cpp's llama-server, ~25 min;
+# builds llama-server once from the llama-cpp-python sdist into ~/.cache/pdserve (~15 min)
+bench-compare: install model
+	PYTHON=$(BIN)/python benchmarks/build_llama_server.sh
+	$(BIN)/python benchmarks/bench_compare.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -62,7 +62,7 @@ def test_prefill_worker_killed_mid_job_request_completes_once(tmp_path_factory):
     """JetStream redelivers the unacked job to the surviving prefill worker (ack wait 3 s); the
     client gets the same answer as undisturbed, with no duplicated first token."""
     stack, url = up(tmp_path_factory, "--prefill", "2", "--decode", "1", "--worker-arg=--ack-wait=3",
-                    "--worker-arg=--max-inflight=1")
+                    "--worker-arg=--max-inflight=1", "--worker-arg=--lease-ttl=10")
     try:
         result = {}
         thread = threading.Thread(target=lambda: result.update(zip(("text", "errors", "secs"),
@@ -83,6 +83,7 @@ def test_prefill_worker_killed_mid_job_request_completes_once(tmp_path_factory):
         assert result["errors"] == []
         # the same answer as an undisturbed run of the same prompt (greedy, fp32)
         assert result["text"] == chat(url, long_prompt(1), max_tokens=12)["choices"][0]["message"]["content"]
+        wait_no_blocks_in_use(url)  # what the dead worker leased in the kvstore expires (10 s here)
     finally:
         stack.stop()
 
@@ -91,7 +92,7 @@ def test_only_decode_worker_killed_every_stream_ends_with_an_error(tmp_path_fact
     """Migration limit 0: with the decode worker gone, each stream must end with an error event as
     soon as the gateway sees the worker dead (3 s without heartbeats) — none may hang."""
     stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "1", "--gateway-arg=--inactivity-timeout=5",
-                    "--gateway-arg=--max-migrations=0")
+                    "--gateway-arg=--max-migrations=0", "--worker-arg=--lease-ttl=10")
     try:
         results = []
         threads = [threading.Thread(target=lambda i=i: results.append(
@@ -108,6 +109,7 @@ def test_only_decode_worker_killed_every_stream_ends_with_an_error(tmp_path_fact
             assert errors, f"stream ended without an error event after {len(text)} chars"
             assert any("died" in e["message"] or "no tokens" in e["message"] for e in errors), errors
             assert secs < 3 + 5 + 10
+        wait_no_blocks_in_use(url)
     finally:
         stack.stop()
 
