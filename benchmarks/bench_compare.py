@@ -17,9 +17,9 @@ the order A B C D for pass 1 and D C B A for pass 2 (full mode). Measurements:
      p50, both measured on the first system of pass 1 (pdserve disaggregated) and applied to all.
   c. output-token throughput, chat, closed loop at max concurrency 16. Both passes.
   d. TTFT on shared-prefix (one long prefix, short distinct questions, one at a time) with the prefix
-     cache on vs off: pdserve colocated with/without --no-prefix-caching (the disaggregated prefill
-     worker looks up the kvstore whatever that flag says, so it has no "off"), llama-server with the
-     prompt cache on (default) vs --no-cache-prompt --cache-ram 0.
+     cache on vs off: pdserve colocated with/without --no-prefix-caching (disaggregated is shown
+     "on" only, to keep the run short), llama-server with the prompt cache on (default) vs
+     --no-cache-prompt --cache-ram 0.
   e. decode at batch 1: one request at a time, 256 output tokens; tok/s = 1000 / TPOT; MBU = (weight
      bytes + KV bytes) read per step × tok/s ÷ memory read bandwidth measured in this run.
 While each measurement runs, the cores used by other processes are recorded (contention). A system
