@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -139,26 +138,22 @@ class RunningSystem:
             raise
 
     def _start_llama(self, binary: Path | None, model: Path, workdir: Path) -> None:
-        from shared.transport.servers import die_with_parent
+        from shared.transport.servers import die_with_parent, wait_for_http_ok
 
         cmd = llama_command(binary, model, self.port, self.spec.args)
         self.command = " ".join(cmd)
         log = open(workdir / "llama-server.log", "ab")
         self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       preexec_fn=die_with_parent, start_new_session=True)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
+        def check_alive() -> None:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"llama-server exited with {self._proc.returncode}; log: {workdir / 'llama-server.log'}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise TimeoutError("llama-server did not become healthy in 120 s")
+
+        try:
+            wait_for_http_ok(f"{self.url}/health", 120, check_alive)
+        except BaseException:
+            self.stop()
+            raise
 
     @property
     def pids(self) -> list[int]:

@@ -14,11 +14,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from shared.cli_args import add_connection_args, env
-from shared.transport.servers import ServerProcess, die_with_parent, start_nats, start_valkey
+from shared.transport.servers import ServerProcess, die_with_parent, start_nats, start_valkey, wait_for_http_ok
 
 log = logging.getLogger("pdserve.up")
 
@@ -143,17 +142,10 @@ def _start(stack: Stack, args: argparse.Namespace) -> None:
 
 
 def wait_healthy(stack: Stack, url: str, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stack.check_alive()
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"pdserve did not become healthy within {timeout:.0f} s (logs in {stack.workdir})")
+    try:
+        wait_for_http_ok(f"{url}/health", timeout, stack.check_alive)
+    except TimeoutError:
+        raise TimeoutError(f"pdserve did not become healthy within {timeout:.0f} s (logs in {stack.workdir})") from None
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,22 @@ def wait_for_port(port: int, timeout: float = 10.0, proc: subprocess.Popen | Non
         except OSError:
             time.sleep(0.05)
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout:.0f} s")
+
+
+def wait_for_http_ok(url: str, timeout: float, check_alive=None) -> None:
+    """Poll `url` until it answers 200; `check_alive()` (raising if what serves it died) between tries."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check_alive is not None:
+            check_alive()
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout:.0f} s")
 
 
 def nats_server_binary() -> str:

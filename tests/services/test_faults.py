@@ -138,6 +138,24 @@ def wait_taken(log_path, before: int, timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
+def undisturbed(url: str, prompts: list[str], max_tokens: int) -> dict[int, str]:
+    """Each prompt's greedy answer, run with the same concurrency as the disturbed run."""
+    results, threads = run_streams(url, prompts, max_tokens)
+    join_all(threads, 180)
+    assert all(not errors for _, errors, _ in results.values())
+    return {i: text for i, (text, _, _) in results.items()}
+
+
+def streams_reaching_decode0(stack, url: str, prompts: list[str], max_tokens: int, settle_s: float):
+    """Start the streams and return once decode-0 has taken one of them and streamed `settle_s`."""
+    log0 = stack.workdir / "decode-0.log"
+    taken_before = log0.read_text().count("took request")
+    results, threads = run_streams(url, prompts, max_tokens)
+    wait_taken(log0, taken_before)
+    time.sleep(settle_s)
+    return results, threads
+
+
 def test_decode_worker_killed_40_streams_migrate_and_complete(tmp_path_factory):
     """SIGKILL one of two decode workers while 40 streams decode: the gateway resubmits the dead
     worker's requests with the tokens already streamed; every client receives exactly the
@@ -145,15 +163,8 @@ def test_decode_worker_killed_40_streams_migrate_and_complete(tmp_path_factory):
     stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "2", "--gateway-arg=--inactivity-timeout=30")
     prompts = [f"Write a short story about a robot named Unit {i}." for i in range(40)]
     try:
-        results, threads = run_streams(url, prompts, 24)  # undisturbed, with the same concurrency
-        join_all(threads, 180)
-        expected = {i: text for i, (text, errors, _) in results.items() if not errors}
-        assert len(expected) == len(prompts)
-        log0 = stack.workdir / "decode-0.log"
-        taken_before = log0.read_text().count("took request")
-        results, threads = run_streams(url, prompts, 24)
-        wait_taken(log0, taken_before)
-        time.sleep(1.0)  # let it stream a few tokens
+        expected = undisturbed(url, prompts, 24)
+        results, threads = streams_reaching_decode0(stack, url, prompts, 24, settle_s=1.0)
         t_kill = time.monotonic()
         stack.process("decode-0").send_signal(signal.SIGKILL)
         join_all(threads, 180)
@@ -177,14 +188,8 @@ def test_hung_decode_worker_is_treated_as_dead_and_frees_its_blocks_when_it_wake
     stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "2", "--gateway-arg=--inactivity-timeout=30")
     prompts = [f"Tell me about the planet number {i} of a faraway star." for i in range(8)]
     try:
-        results, threads = run_streams(url, prompts, 32)
-        join_all(threads, 120)
-        expected = {i: text for i, (text, _, _) in results.items()}
-        log0 = stack.workdir / "decode-0.log"
-        taken_before = log0.read_text().count("took request")
-        results, threads = run_streams(url, prompts, 32)
-        wait_taken(log0, taken_before)
-        time.sleep(0.5)
+        expected = undisturbed(url, prompts, 32)
+        results, threads = streams_reaching_decode0(stack, url, prompts, 32, settle_s=0.5)
         victim = stack.process("decode-0")
         victim.send_signal(signal.SIGSTOP)
         t_stop = time.monotonic()
@@ -216,11 +221,7 @@ def test_decode_worker_sigterm_finishes_its_streams_then_exits(tmp_path_factory)
     stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "2")
     prompts = [f"Describe a city called Town {i}." for i in range(6)]
     try:
-        log0 = stack.workdir / "decode-0.log"
-        taken_before = log0.read_text().count("took request")
-        results, threads = run_streams(url, prompts, 24)
-        wait_taken(log0, taken_before)
-        time.sleep(0.3)
+        results, threads = streams_reaching_decode0(stack, url, prompts, 24, settle_s=0.3)
         victim = stack.process("decode-0")
         victim.send_signal(signal.SIGTERM)
         assert victim.wait(30) == 0
