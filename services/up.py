@@ -1,7 +1,10 @@
 """`pdserve up`: the embedded default. Starts, on this machine, `nats-server -js` and `valkey-server`
 (unless `--nats`/`--redis` name existing ones), the kvstore, the workers and the gateway, each a
 child process running the same entry points docker-compose uses; waits until /health is green;
-prints the URL. Ctrl-C / SIGTERM stops everything in reverse order: drain, then exit, no orphans.
+prints the URL. Then it supervises them: a child that dies is restarted with backoff (the embedded
+servers too, on the same port and state); a child that keeps crashing right after it starts makes
+`up` give up with that child's error (exit 1). Ctrl-C / SIGTERM stops everything in reverse order:
+the gateway ends its open streams, the workers drain, then exit 0, no orphans.
 """
 
 from __future__ import annotations
@@ -13,13 +16,19 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
+import threading
 from pathlib import Path
 
 from shared.cli_args import add_connection_args, env
+from services.supervisor import CrashLoop, RestartPolicy, Supervisor
 from shared.transport.servers import ServerProcess, die_with_parent, start_nats, start_valkey, wait_for_http_ok
 
 log = logging.getLogger("pdserve.up")
+
+POLL_S = 0.2  # how often `up` looks for children that died
+# stop order (highest first): the gateway ends its streams, then the workers drain, then the
+# kvstore, then the servers everything talks through
+STAGE_SERVERS, STAGE_KVSTORE, STAGE_WORKERS, STAGE_GATEWAY = 0, 1, 2, 3
 
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
@@ -45,44 +54,50 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
 
 
 class Stack:
-    """The child processes of one `pdserve up`, stopped in reverse start order."""
+    """The child processes of one `pdserve up`, supervised (`services/supervisor.py`): started in
+    order, restarted when one dies, stopped in reverse order."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, policy: RestartPolicy | None = None):
         self.workdir = workdir
         self.servers: list[ServerProcess] = []
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.supervisor = Supervisor(policy)
 
-    def spawn(self, name: str, module: str, args: list[str], extra_env: dict[str, str] | None = None) -> None:
-        log_file = open(self.workdir / f"{name}.log", "ab")
+    def spawn(self, name: str, module: str, args: list[str], extra_env: dict[str, str] | None = None,
+              stage: int = STAGE_WORKERS) -> None:
+        log_path = self.workdir / f"{name}.log"
         env_vars = os.environ | (extra_env or {})
-        proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log_file, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=env_vars, preexec_fn=die_with_parent,
-                                start_new_session=True)  # Ctrl-C reaches `up` only; it stops them in order
-        self.procs.append((name, proc))
-        log.info("started %s (pid %d), log %s", name, proc.pid, log_file.name)
+
+        def start() -> subprocess.Popen:
+            with open(log_path, "ab") as log_file:  # the child keeps its own descriptor
+                return subprocess.Popen([sys.executable, "-m", module, *args], stdout=log_file,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env_vars,
+                                        preexec_fn=die_with_parent,
+                                        start_new_session=True)  # Ctrl-C reaches `up` only; it stops them in order
+
+        self.supervisor.start(name, start, log_path, stage)
+
+    def add_server(self, server: ServerProcess) -> None:
+        """Supervise an embedded server: restarted on the same port with the same state directory."""
+        self.servers.append(server)
+        self.supervisor.adopt(server.name, server.proc, server.respawn, server.workdir / f"{server.name}.log",
+                              stage=STAGE_SERVERS)
+
+    @property
+    def procs(self) -> list[tuple[str, subprocess.Popen]]:
+        """(name, process) of each service (not the embedded servers: `servers`), in start order."""
+        servers = {server.name for server in self.servers}
+        return [(child.name, child.proc) for child in self.supervisor.children if child.name not in servers]
 
     def process(self, name: str) -> subprocess.Popen:
-        return dict(self.procs)[name]
+        return self.supervisor.child(name).proc
 
     def check_alive(self) -> None:
-        for name, proc in self.procs:
-            if proc.poll() is not None:
-                tail = (self.workdir / f"{name}.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{tail}")
+        """Restart children that died; raises CrashLoop when one will not stay up."""
+        self.supervisor.poll()
 
     def stop(self, timeout: float = 15.0) -> None:
-        for name, proc in reversed(self.procs):  # gateway first, then workers, then the kvstore
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for name, proc in reversed(self.procs):
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in time: killing it", name)
-                proc.kill()
-                proc.wait()
-        for server in reversed(self.servers):
+        self.supervisor.stop(timeout)
+        for server in self.servers:  # a test may have restarted one by hand, outside the supervisor
             server.stop()
 
 
@@ -106,11 +121,11 @@ def _start(stack: Stack, args: argparse.Namespace) -> None:
     if nats_url is None:
         server = start_nats(workdir=stack.workdir / "nats", user=args.nats_user, password=args.nats_password,
                             token=args.nats_token)
-        stack.servers.append(server)
+        stack.add_server(server)
         nats_url = server.url
     if redis_url is None:
         server = start_valkey(workdir=stack.workdir / "valkey", password=args.redis_password)
-        stack.servers.append(server)
+        stack.add_server(server)
         redis_url = server.url
     auth = []
     for flag, value in (("--nats-user", args.nats_user), ("--nats-password", args.nats_password),
@@ -128,17 +143,20 @@ def _start(stack: Stack, args: argparse.Namespace) -> None:
         worker.append("--kv-network")
     if not colocated:
         stack.spawn("kvstore", "services.kvstore",
-                    [*conn, *model_args[:4], "--store", store, "--num-slots", str(args.kv_slots)])
+                    [*conn, *model_args[:4], "--store", store, "--num-slots", str(args.kv_slots)],
+                    stage=STAGE_KVSTORE)
         for i in range(args.prefill):
-            stack.spawn(f"prefill-{i}", "services.prefill", worker + ["--instance", f"prefill-{i}"])
+            stack.spawn(f"prefill-{i}", "services.prefill", worker + ["--instance", f"prefill-{i}"],
+                        stage=STAGE_WORKERS)
     for i in range(args.decode):
         role = "colocated" if colocated else "decode"
-        stack.spawn(f"{role}-{i}", "services.decode", worker + ["--role", role, "--instance", f"{role}-{i}"])
+        stack.spawn(f"{role}-{i}", "services.decode", worker + ["--role", role, "--instance", f"{role}-{i}"],
+                    stage=STAGE_WORKERS)
     gateway = conn + ["--model", model, "--host", args.host, "--port", str(args.port), "--mode", args.mode]
     if args.api_key:
         gateway += ["--api-key", args.api_key]
     gateway += args.gateway_arg
-    stack.spawn("gateway", "services.gateway", gateway)
+    stack.spawn("gateway", "services.gateway", gateway, stage=STAGE_GATEWAY)
 
 
 def wait_healthy(stack: Stack, url: str, timeout: float = 180.0) -> None:
@@ -149,22 +167,40 @@ def wait_healthy(stack: Stack, url: str, timeout: float = 180.0) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    """Start the stack, then supervise it until Ctrl-C / SIGTERM (exit 0) or until a child keeps
+    crashing (exit 1, with that child's error)."""
+    stopping = threading.Event()
+    serving = False
+
     def on_signal(signum, frame):  # SIGTERM behaves like Ctrl-C: stop everything in order
-        raise KeyboardInterrupt
+        stopping.set()
+        if not serving:  # still starting: break out of whatever start-up is waiting on
+            raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
-    stack, url = start_stack(args)
+    signal.signal(signal.SIGINT, on_signal)
+    stack = None
     try:
+        stack, url = start_stack(args)
         wait_healthy(stack, url)
         print(f"pdserve is up ({args.mode}): {url}   logs: {stack.workdir}", flush=True)
         print(f"""try:  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{{"model": "SmolLM2-135M-Instruct", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "stream": true}}'""",
               flush=True)
-        while True:
+        serving = True
+        while not stopping.wait(POLL_S):
             stack.check_alive()
-            time.sleep(1.0)
+        print("stopping pdserve ...", flush=True)
+        return 0
     except KeyboardInterrupt:
         print("stopping pdserve ...", flush=True)
         return 0
+    except CrashLoop as exc:
+        # the gateway is stopped first: it ends every open stream with an error event
+        log.error("pdserve gives up: %s", exc)
+        print(f"pdserve: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
-        stack.stop()
+        serving = False
+        if stack is not None:
+            stack.stop()

@@ -101,8 +101,13 @@ class ServerProcess:
         """Start again on the same port, with the same state directory (fault-injection tests)."""
         if self.proc.poll() is None:
             raise RuntimeError(f"{self.name} is still running")
+        wait_for_port(self.port, proc=self.respawn())
+
+    def respawn(self) -> subprocess.Popen:
+        """Start the server process again (same port, same state) without waiting for it to listen:
+        what a supervisor does, whose clients reconnect by themselves."""
         self.proc = _spawn(self.args, self.workdir, self.name)
-        wait_for_port(self.port, proc=self.proc)
+        return self.proc
 
     def restart(self) -> None:
         self.stop()
