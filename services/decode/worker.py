@@ -121,7 +121,7 @@ class DecodeWorker(WorkerRuntime):
         t0 = time.time()
         try:
             out = self.engine.kv_cache.empty_blocks(len(job.blocks))
-            await self.kv.read_blocks(job.lease_id, job.blocks, out)
+            await self.kv.read_blocks(job.lease_id, job.blocks, out, segment=job.segment)
             timing.kv_read_s = time.time() - t0
             return out
         except KVStoreError as exc:

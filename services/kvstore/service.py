@@ -171,12 +171,12 @@ class KVStoreService:
     def _lookup(self, req: KVLookup) -> KVLookupReply:
         lease_id, blocks = self.pool.lookup(req.keys, req.lease_ttl_s)
         self._leases_changed.set()
-        return KVLookupReply(lease_id=lease_id, blocks=blocks)
+        return KVLookupReply(lease_id=lease_id, blocks=blocks, segment=self.memory.name)
 
     def _allocate(self, req: KVAllocate) -> KVAllocateReply:
         lease_id, slots = self.pool.allocate(req.num_blocks, req.lease_ttl_s, req.lease_id)
         self._leases_changed.set()
-        return KVAllocateReply(lease_id=lease_id, slots=slots)
+        return KVAllocateReply(lease_id=lease_id, slots=slots, segment=self.memory.name)
 
     def _write(self, req: KVWriteChunk) -> KVReply:
         self.pool.check_writable(req.lease_id, req.slot)

@@ -94,17 +94,17 @@ class PrefillWorker(WorkerRuntime):
         # every full block's key (none with prefix caching off: nothing is looked up or indexed)
         keys = block_keys(tokens, bs, self.engine.kv.model_id) if self.engine.config.enable_prefix_caching else []
         lookup_keys = keys[: (len(tokens) - 1) // bs]  # leave ≥ 1 token to compute
-        lease, hits, prefix = "", [], None
+        lease, hits, prefix, segment = "", [], None, ""
         try:
             found = await self.kv.lookup(lookup_keys, lease_ttl_s=self.config.lease_ttl_s)
-            lease, hits = found.lease_id, found.blocks
+            lease, hits, segment = found.lease_id, found.blocks, found.segment
             if hits:
                 prefix = self.engine.kv_cache.empty_blocks(len(hits))
-                await self.kv.read_blocks(lease, hits, prefix)
+                await self.kv.read_blocks(lease, hits, prefix, segment=segment)
         except KVStoreError as exc:  # a prefix we cannot read is recomputed, never trusted
             log.warning("request %s: prefix cache unavailable (%s); computing the whole prompt", rid, exc)
             await self._release(lease)
-            lease, hits, prefix = "", [], None
+            lease, hits, prefix, segment = "", [], None, ""
         self.prefix_queries += len(lookup_keys)
         self.prefix_hits += len(hits)
 
@@ -129,33 +129,37 @@ class PrefillWorker(WorkerRuntime):
                                      completion_tokens=index + 1, cached_tokens=len(hits) * bs, timing=timing)
             return
         await self.publish_tokens(rid, index, out.new_token_ids)  # token 1: this is TTFT
-        refs, lease = await self._store_blocks(rid, item.kv_blocks, hits, keys, lease, timing)
+        refs, lease, segment = await self._store_blocks(rid, item.kv_blocks, hits, keys, lease, segment, timing)
         decode_job = DecodeJob(
             request_id=rid, token_ids=tokens, first_token=out.new_token_ids[0], params=job.params,
-            store=self.config.kvstore if refs else "", lease_id=lease, blocks=refs,
+            store=self.config.kvstore if refs else "", lease_id=lease, blocks=refs, segment=segment,
             num_cached_tokens=len(hits) * bs, num_prompt_tokens=len(job.prompt_ids), num_resumed=index,
             created_at=time.time(), deadline=job.deadline, attempt=job.attempt, timing=timing,
         )
         await self.js.publish(subjects.DECODE_JOBS, encode(decode_job))
 
     async def _store_blocks(self, rid: str, blocks: torch.Tensor, hits: list[KVBlockRef], keys: list[bytes],
-                            lease: str, timing: Timing) -> tuple[list[KVBlockRef], str]:
-        """Write the blocks the store does not have yet; returns refs to all blocks and the lease.
-        If the store fails, the DecodeJob goes out without blocks and decode recomputes the prompt."""
+                            lease: str, segment: str, timing: Timing) -> tuple[list[KVBlockRef], str, str]:
+        """Write the blocks the store does not have yet; returns refs to all blocks, the lease and
+        the segment they are in. If the store fails (or restarted since the lookup: the hits'
+        segment is gone), the DecodeJob goes out without blocks and decode recomputes the prompt."""
         t0 = time.time()
         new = blocks[len(hits):]
         try:
             alloc = await self.kv.allocate(new.shape[0], lease_id=lease, lease_ttl_s=self.config.lease_ttl_s)
             lease = alloc.lease_id
-            checksums = await self.kv.write_blocks(lease, alloc.slots, new)
+            if hits and alloc.segment != segment:  # cannot happen with a lease the store still knows
+                raise KVStoreError(ErrorCode.KV_TRANSFER_FAILED, "the prefix hits are in a segment the store "
+                                                                 "no longer has")
+            checksums = await self.kv.write_blocks(lease, alloc.slots, new, segment=alloc.segment)
             new_keys = [keys[i] if i < len(keys) else b"" for i in range(len(hits), blocks.shape[0])]
             await self.kv.commit(lease, alloc.slots, new_keys, checksums)
         except KVStoreError as exc:
             log.warning("request %s: could not store KV (%s); decode will recompute", rid, exc)
             await self._release(lease)
-            return [], ""
+            return [], "", ""
         timing.kv_write_s = time.time() - t0
-        return hits + [KVBlockRef(s, c) for s, c in zip(alloc.slots, checksums)], lease
+        return hits + [KVBlockRef(s, c) for s, c in zip(alloc.slots, checksums)], lease, alloc.segment
 
     async def _release(self, lease: str) -> None:
         if lease:

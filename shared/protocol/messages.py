@@ -25,6 +25,7 @@ class ErrorCode(enum.IntEnum):
     TIMEOUT = 5  # deadline or inactivity timeout
     CANCELLED = 6
     INTERNAL = 7
+    UNAVAILABLE = 8  # the service is stopping, or a part it needs (NATS) is unreachable: retry later
 
 
 class Msg(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
@@ -81,6 +82,7 @@ class DecodeJob(Msg, kw_only=True):
     store: str  # kvstore instance holding the blocks
     lease_id: str  # release it once the blocks are copied
     blocks: list[KVBlockRef]  # ceil(len(token_ids) / 16) blocks, the last maybe partial
+    segment: str = ""  # the store's shared-memory segment holding them: read only from that one
     num_cached_tokens: int = 0  # prompt tokens the prefill worker found in the prefix cache
     num_prompt_tokens: int = 0  # of the original prompt (token_ids may include resumed tokens)
     num_resumed: int = 0  # tokens already streamed before this attempt
@@ -149,6 +151,7 @@ class KVLookup(Msg, kw_only=True):
 class KVLookupReply(Msg, kw_only=True):
     lease_id: str = ""  # "" when nothing was found
     blocks: list[KVBlockRef] = []  # the longest cached prefix of `keys`
+    segment: str = ""  # the store's shared-memory segment the slots are in (a restarted store has a new one)
     error_code: ErrorCode = ErrorCode.OK
     error: str = ""
 
@@ -162,6 +165,7 @@ class KVAllocate(Msg, kw_only=True):
 class KVAllocateReply(Msg, kw_only=True):
     lease_id: str = ""
     slots: list[int] = []
+    segment: str = ""  # as in KVLookupReply
     error_code: ErrorCode = ErrorCode.OK
     error: str = ""
 

@@ -7,6 +7,11 @@ Control plane: NATS request/reply on pd.kv.<store>.<op>. Data plane, picked at `
     otherwise   KVWriteChunk requests / a KVRead streamed back as KVReadChunks, each below NATS
                 max_payload
 
+A store that restarts comes back with a new segment (and none of the old leases). Replies that hand
+out slots (lookup, allocate) and DecodeJobs name the segment their slots belong to; the client
+re-attaches when that is not the segment it maps, and refuses to touch slots of a segment that is
+gone, so a stale lease or slot reference is never read or written.
+
 Both paths checksum every block with crc32: the writer computes it and commits it with the block,
 the reader verifies it after copying, so a torn, evicted-and-rewritten or corrupted block raises
 `KVChecksumError` instead of silently becoming wrong KV. Copies and checksums of large transfers
@@ -65,6 +70,7 @@ class KVStoreClient:
         self.info: KVStoreInfo | None = None
         self._segment: _Segment | None = None
         self._pool: np.ndarray | None = None  # [num_slots, block_bytes] uint8 over the mapped segment
+        self._attaching = asyncio.Lock()  # one re-attach at a time (several requests notice a restart at once)
 
     @property
     def shm_attached(self) -> bool:
@@ -94,13 +100,35 @@ class KVStoreClient:
 
     async def lookup(self, keys: list[bytes], lease_ttl_s: float = 30.0) -> KVLookupReply:
         """Lease the longest cached prefix of `keys` (lease_id "" and no blocks on a miss)."""
-        return await self._request("lookup", KVLookup(keys=keys, lease_ttl_s=lease_ttl_s), KVLookupReply)
+        reply = await self._request("lookup", KVLookup(keys=keys, lease_ttl_s=lease_ttl_s), KVLookupReply)
+        if reply.blocks:
+            await self.ensure_segment(reply.segment)
+        return reply
 
     async def allocate(self, n: int, lease_id: str = "", lease_ttl_s: float = 30.0) -> KVAllocateReply:
         """n writable slots in a new lease, or added to `lease_id`. Raises KVStoreError (OVERLOADED
         when the store is full of leased blocks)."""
-        return await self._request("allocate", KVAllocate(num_blocks=n, lease_ttl_s=lease_ttl_s, lease_id=lease_id),
-                                   KVAllocateReply)
+        reply = await self._request("allocate", KVAllocate(num_blocks=n, lease_ttl_s=lease_ttl_s, lease_id=lease_id),
+                                    KVAllocateReply)
+        await self.ensure_segment(reply.segment)
+        return reply
+
+    async def ensure_segment(self, segment: str) -> None:
+        """Make sure slots of `segment` are what this client reads and writes: re-attach if the
+        store has restarted since (a new segment); raise KVStoreError if `segment` is gone."""
+        if not segment or (self.info is not None and self.info.shm_name == segment):
+            return
+        async with self._attaching:
+            if self.info is not None and self.info.shm_name == segment:
+                return  # another request re-attached meanwhile
+            old = self.info.shm_name if self.info is not None else "(none)"
+            info = await self.attach(self.info.layout if self.info is not None else None)
+            if info.shm_name != segment:
+                raise KVStoreError(ErrorCode.KV_TRANSFER_FAILED,
+                                   f"kvstore {self.store!r}: blocks of segment {segment} are gone (the store "
+                                   f"restarted; it now has segment {info.shm_name})")
+            log.warning("kvstore %s restarted: re-attached to its new segment %s (was %s)", self.store,
+                        info.shm_name, old)
 
     async def commit(self, lease_id: str, slots: list[int], keys: list[bytes], checksums: list[int]) -> None:
         await self._request("commit", KVCommit(lease_id=lease_id, slots=slots, keys=keys, checksums=checksums), KVReply)
@@ -123,9 +151,10 @@ class KVStoreClient:
 
     # ---------------------------------------------------------------------------------- data plane
 
-    async def write_blocks(self, lease_id: str, slots: list[int], data: torch.Tensor) -> list[int]:
-        """Fill `slots` with data[i] (each row exactly block_bytes bytes, any dtype); returns the
-        crc32 of each block, for `commit`."""
+    async def write_blocks(self, lease_id: str, slots: list[int], data: torch.Tensor, segment: str = "") -> list[int]:
+        """Fill `slots` (of `segment`, as allocate named it) with data[i] (each row exactly
+        block_bytes bytes, any dtype); returns the crc32 of each block, for `commit`."""
+        await self.ensure_segment(segment)
         info = self._attached()
         self._check_slots(slots)
         if data.device.type != "cpu":
@@ -135,12 +164,15 @@ class KVStoreClient:
             return await _maybe_offload(rows.numel(), _write_shm, self._pool, slots, rows.numpy())
         return await self._write_network(lease_id, slots, rows.numpy())
 
-    async def read_blocks(self, lease_id: str, blocks: list[KVBlockRef], out: torch.Tensor) -> None:
-        """Fill out[i] (a row of block_bytes bytes) with block i, verifying its checksum.
-        Raises KVChecksumError on a mismatch, KVStoreError on any other failure."""
+    async def read_blocks(self, lease_id: str, blocks: list[KVBlockRef], out: torch.Tensor, segment: str = "") -> None:
+        """Fill out[i] (a row of block_bytes bytes) with block i (of `segment`, as the lease named
+        it), verifying its checksum. Raises KVChecksumError on a mismatch, KVStoreError on any
+        other failure (the segment gone with a restarted store included)."""
         info = self._attached()
         if not blocks:
             return
+        await self.ensure_segment(segment)
+        info = self._attached()
         slots = [block.slot for block in blocks]
         self._check_slots(slots)
         if len(set(slots)) != len(slots):

@@ -98,6 +98,11 @@ class WorkerRuntime:
                 await on_skip(job)
             await msg.ack()
             return None
+        if self.attempts.get(rid) == job.attempt:
+            # JetStream redelivered a job this worker is still running (its in_progress came late,
+            # e.g. on a starved CPU): the running one acks it; a second copy would only fail
+            log.info("request %s: redelivery of the job this worker is running, ignored", rid)
+            return None
         if self.attempts.get(rid, job.attempt) < job.attempt:
             self.async_engine.abort(rid)  # an earlier attempt (this worker hung and was given up on)
         self.attempts[rid] = job.attempt

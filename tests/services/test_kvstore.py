@@ -483,3 +483,36 @@ def test_block_layout_comes_from_the_model(default_gguf):
     assert (config.block_bytes, config.layout) == (368_640, "L30.2.16.H3.D64.bfloat16")
     with pytest.raises(ValueError, match="subject token"):
         KVStoreConfig(block_bytes=1, layout="x", store="bad.name")
+
+
+async def test_restarted_store_is_reattached_and_its_old_slots_never_read(make_store, nc):
+    """The store dies and a new one takes its name with a new shared-memory segment. A client
+    re-attaches when a reply names the new segment; a block reference into the old segment (a
+    DecodeJob in flight across the restart) is refused, never read through the new mapping."""
+    name = f"t{uuid.uuid4().hex[:10]}"
+    first = await make_store(store=name)
+    writer, reader = await client(nc, first), await client(nc, first)
+    old_lease, old_slots, old_sums = await write_and_commit(writer, blocks(2, seed=1), [key(0), key(1)])
+    old_refs = [KVBlockRef(s, c) for s, c in zip(old_slots, old_sums)]
+    old_segment = first.memory.name
+    await writer.release(old_lease)
+    await first.stop()
+
+    second = await make_store(store=name)
+    assert second.memory.name != old_segment
+    assert (await writer.lookup([key(0), key(1)])).blocks == []  # the new store starts empty
+    data = blocks(2, seed=2)
+    alloc = await writer.allocate(2)
+    assert alloc.segment == second.memory.name and writer.info.shm_name == second.memory.name  # re-attached
+    sums = await writer.write_blocks(alloc.lease_id, alloc.slots, data, segment=alloc.segment)
+    await writer.commit(alloc.lease_id, alloc.slots, [key(2), key(3)], sums)
+
+    # the reader still maps the old segment: a reference into the new one makes it re-attach
+    out = torch.empty_like(data)
+    await reader.read_blocks(alloc.lease_id, [KVBlockRef(s, c) for s, c in zip(alloc.slots, sums)], out,
+                             segment=alloc.segment)
+    assert torch.equal(out, data)
+    # and a reference into the old segment is refused, whatever its slots hold now
+    with pytest.raises(KVStoreError, match="gone"):
+        await reader.read_blocks(old_lease, old_refs, torch.empty_like(data), segment=old_segment)
+    await writer.release(alloc.lease_id)
