@@ -62,6 +62,7 @@ class GatewayState:
     admission: Admission
     metrics: GatewayMetrics
     dispatcher: Dispatcher
+    stopping: bool = False  # set when the gateway starts to shut down: new requests get 503
 
     @classmethod
     async def start(cls, config: GatewayConfig) -> GatewayState:
@@ -98,7 +99,13 @@ class GatewayState:
         await self.redis.aclose()
 
     async def require_workers(self) -> dict[str, list[str]]:
-        """Live workers by role; 503 unless every role the mode needs has one."""
+        """Live workers by role; 503 unless every role the mode needs has one, the gateway is not
+        stopping, and NATS is connected (a request now would only wait for the bus: say so at once)."""
+        if self.stopping:
+            raise service_unavailable("service shutting down; retry shortly", code="shutting_down")
+        if not self.nc.is_connected:
+            raise service_unavailable("the gateway has lost its connection to NATS; retry shortly",
+                                      code="bus_unavailable", retry_after=2)
         missing, alive = await self.workers.missing_roles(self.config.required_roles)
         if missing:
             raise service_unavailable(f"no live {' or '.join(missing)} worker ({self.config.mode} mode); "

@@ -62,8 +62,9 @@ class RequestChannel:
 
     def __init__(self, nc: NATS, request_id: str, *, inactivity_timeout_s: float, deadline_s: float,
                  resubmit=None, silent_for=None, role_of=None, max_migrations: int = 0,
-                 worker_dead_s: float = 3.0) -> None:
+                 worker_dead_s: float = 3.0, on_close=None) -> None:
         self.request_id = request_id
+        self._on_close = on_close  # called once with this channel when it closes (the open-channel registry)
         self._resubmit, self._silent_for, self._role_of = resubmit, silent_for, role_of
         self._max_migrations, self._worker_dead_s = max_migrations, worker_dead_s
         self.migrations = 0  # = the attempt now running; events of earlier attempts are dropped
@@ -114,6 +115,12 @@ class RequestChannel:
     def aborted(self) -> bool:
         return self._abort_reason is not None
 
+    def fail(self, code: ErrorCode, message: str) -> None:
+        """End the stream with an error (the consumer raises StreamError at its next wait): how a
+        stopping gateway ends the streams still open, so none is closed without a word."""
+        if self._abort_reason is None and not self._finished and not self._closed:
+            self._queue.put_nowait(StreamError(code, message))
+
     async def events(self) -> AsyncIterator[TokenEvent]:
         """New tokens only (`index` rewritten to the first new one); ends after the final event, or
         silently after `abort()`; raises StreamError on a timeout or a gap."""
@@ -121,6 +128,8 @@ class RequestChannel:
             item = await self._next()
             if item is _WAKE:
                 continue
+            if isinstance(item, StreamError):
+                raise item
             event: TokenEvent = item
             if event.attempt < self.migrations:
                 continue  # from an attempt given up on (a hung worker that woke up)
@@ -149,6 +158,9 @@ class RequestChannel:
                 raise StreamError(ErrorCode.TIMEOUT, f"request exceeded its {self._deadline_s:g} s deadline")
             idle = now - self._last_event
             if idle >= self._inactivity_timeout_s:
+                if not self._nc.is_connected:  # say why: the bus is down, not the workers slow
+                    raise StreamError(ErrorCode.UNAVAILABLE, f"no tokens from the workers for "
+                                      f"{self._inactivity_timeout_s:g} s: the gateway lost its connection to NATS")
                 raise StreamError(ErrorCode.TIMEOUT, f"no tokens from the workers for {self._inactivity_timeout_s:g} s")
             wait = min(remaining, self._inactivity_timeout_s - idle, 1.0)  # wake every second to check
             try:
@@ -188,6 +200,8 @@ class RequestChannel:
         if self._closed:
             return
         self._closed = True
+        if self._on_close is not None:
+            self._on_close(self)
         try:
             if not self._finished:
                 cancel = Cancel(request_id=self.request_id, reason=self._abort_reason or reason)
@@ -207,6 +221,13 @@ class Dispatcher:
         self._js = js
         self._config = config
         self._workers = workers  # WorkerView: who is alive (for migration)
+        self.channels: set[RequestChannel] = set()  # open ones: a stopping gateway ends them
+
+    def end_all(self, code: ErrorCode, message: str) -> int:
+        """Fail every open channel (see RequestChannel.fail); returns how many."""
+        for channel in list(self.channels):
+            channel.fail(code, message)
+        return len(self.channels)
 
     def route(self, num_prompt_tokens: int) -> str:
         """conditional: short prompts go straight to a decode worker, which prefills them itself."""
@@ -229,7 +250,8 @@ class Dispatcher:
             self._nc, request_id, inactivity_timeout_s=cfg.inactivity_timeout_s, deadline_s=cfg.request_timeout_s,
             resubmit=resubmit, silent_for=self._workers.silent_for if self._workers is not None else None,
             role_of=self._workers.role_of if self._workers is not None else None,
-            max_migrations=cfg.max_migrations, worker_dead_s=cfg.worker_dead_s)
+            max_migrations=cfg.max_migrations, worker_dead_s=cfg.worker_dead_s, on_close=self.channels.discard)
+        self.channels.add(channel)
         try:
             await channel.subscribe()  # first: no event can slip past us
             await self._js.publish(self.route(len(prompt_ids)), encode(job), timeout=cfg.publish_timeout_s)

@@ -65,6 +65,7 @@ _WORKER_ERRORS: dict[ErrorCode, tuple[int, str, str, int | None]] = {
     ErrorCode.TIMEOUT: (504, "timeout_error", "timeout", None),
     ErrorCode.CANCELLED: (500, "server_error", "cancelled", None),
     ErrorCode.INTERNAL: (500, "server_error", "internal_error", None),
+    ErrorCode.UNAVAILABLE: (503, "service_unavailable", "unavailable", 1),
 }
 
 

@@ -1,7 +1,8 @@
 """Run the gateway in-process: `await serve(config, stop_event)` (what `pdserve up` calls).
 
 The caller owns the signals: uvicorn's own SIGINT/SIGTERM capture is switched off, and setting
-`stop_event` is the way to stop (open streams get `shutdown_grace_s` to finish).
+`stop_event` is the way to stop: open streams get `shutdown_grace_s` to finish, then each one left
+ends with an SSE error event ("service shutting down") before uvicorn closes the connections.
 """
 
 from __future__ import annotations
@@ -9,18 +10,41 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import uvicorn
 
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
+from shared.protocol.messages import ErrorCode
 
 log = logging.getLogger(__name__)
+
+END_FLUSH_S = 2.0  # after the grace: how long the ended streams get to write their error event
 
 
 class _EmbeddedServer(uvicorn.Server):
     def capture_signals(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
+
+
+async def end_streams(state, grace_s: float) -> None:
+    """Stop taking requests; give the open streams `grace_s` to complete, then end each one that
+    is left with an SSE error event ("service shutting down"), so no client sees a bare close."""
+    state.stopping = True
+    channels = state.dispatcher.channels
+    deadline = time.monotonic() + grace_s
+    if channels:
+        log.info("gateway stopping: %d streams open, waiting up to %.0f s for them", len(channels), grace_s)
+    while channels and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if not channels:
+        return
+    n = state.dispatcher.end_all(ErrorCode.UNAVAILABLE, "service shutting down")
+    log.warning("gateway stopping: ending %d open streams with an error event", n)
+    flushed = time.monotonic() + END_FLUSH_S  # each stream writes its error event and [DONE], then closes
+    while channels and time.monotonic() < flushed:
+        await asyncio.sleep(0.05)
 
 
 async def serve(config: GatewayConfig, stop_event: asyncio.Event | None = None) -> None:
@@ -33,6 +57,9 @@ async def serve(config: GatewayConfig, stop_event: asyncio.Event | None = None) 
 
     async def stop_when_told() -> None:
         await stop_event.wait()
+        state = getattr(app.state, "gateway", None)
+        if state is not None:
+            await end_streams(state, config.shutdown_grace_s)
         server.should_exit = True
 
     stopper = asyncio.create_task(stop_when_told()) if stop_event is not None else None

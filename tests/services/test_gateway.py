@@ -816,3 +816,67 @@ async def test_bad_requests(client, peer, tokenizer):
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == ANSWER
     m = await metric_samples(client)
     assert m["pdserve_requests_total"][frozenset({"status": "invalid"}.items())] >= len(BAD_REQUESTS) - 1
+
+
+async def test_stopping_gateway_ends_open_streams_with_an_error_event(make_gateway, peer):
+    """A stream still open when the gateway stops (its grace over) gets an SSE error event
+    ("service shutting down") and [DONE], never a bare close; the workers get a Cancel."""
+    gw = make_gateway(shutdown_grace_s=0.5)
+    peer.behavior = "stall"
+    async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+        await until(lambda: health_status(c), 200)
+        events = []
+        async with c.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
+            stopping = None
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                payload = line[6:]
+                events.append(payload if payload == "[DONE]" else json.loads(payload))
+                if stopping is None and chat_text(events):  # streaming: now stop the gateway
+                    stopping = asyncio.create_task(asyncio.to_thread(gw.stop))
+        await stopping
+    assert events[-1] == "[DONE]", events
+    assert events[-2]["error"]["message"] == "service shutting down" and events[-2]["error"]["code"] == "unavailable"
+    await peer.wait_cancel(request_id(events[0]))
+
+
+async def test_nats_outage_new_requests_get_a_fast_503_and_serving_resumes(make_gateway, valkey_server, tokenizer,
+                                                                           tmp_path):
+    """NATS down: /health and new requests answer 503 with Retry-After at once (not after a
+    publish timeout, not after the inactivity timeout); a stream in flight ends with an error
+    that names NATS; once NATS is back everything reconnects and serves by itself."""
+    from shared.transport.servers import start_nats
+
+    nats = start_nats(workdir=tmp_path / "nats")
+    gw = make_gateway(nats_url=nats.url, inactivity_timeout_s=2.0)
+    p = await ScriptedPeer(nats.url, valkey_server.url, tokenizer).start()
+    try:
+        p.behavior = "stall"
+        async with httpx.AsyncClient(base_url=gw.url, timeout=20) as c:
+            await until(lambda: health_status(c), 200)
+            events = []
+            async with c.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: "):
+                        payload = line[6:]
+                        events.append(payload if payload == "[DONE]" else json.loads(payload))
+                        if len(events) == 2:
+                            nats.stop()  # mid-stream
+            assert events[-1] == "[DONE]" and "NATS" in events[-2]["error"]["message"], events[-2:]
+            t0 = time.monotonic()
+            refused = await c.post("/v1/chat/completions", json=CHAT)
+            assert time.monotonic() - t0 < 1.0
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "2", refused.text
+            assert "NATS" in refused.json()["error"]["message"]
+            assert (await c.get("/health")).status_code == 503
+            nats.start()
+            p.behavior = "normal"
+
+            async def chat_status() -> int:
+                return (await c.post("/v1/chat/completions", json=CHAT)).status_code
+
+            await until(chat_status, 200, timeout=20)
+    finally:
+        await p.stop()
+        nats.stop()
