@@ -35,8 +35,8 @@ LOG_TAIL_BYTES = 2000
 class RestartPolicy:
     initial_backoff_s: float = 0.5
     max_backoff_s: float = 30.0
-    stable_s: float = 10.0  # up this long: the next exit starts a fresh backoff
-    max_quick_failures: int = 4  # this many exits in a row within stable_s of starting: give up
+    stable_s: float = 30.0  # up this long: the next exit starts a fresh backoff (a model load takes ~5-15 s here)
+    max_quick_failures: int = 3  # this many exits in a row within stable_s of starting: give up
 
     def __post_init__(self) -> None:
         if not 0 < self.initial_backoff_s <= self.max_backoff_s:

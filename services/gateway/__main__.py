@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resubmit a dead decode worker's request this often (0: fail it at once)")
     p.add_argument("--request-timeout", type=float,
                    default=float(env("PDSERVE_REQUEST_TIMEOUT", defaults.request_timeout_s)))
+    p.add_argument("--shutdown-grace", type=float,
+                   default=float(env("PDSERVE_SHUTDOWN_GRACE", defaults.shutdown_grace_s)),
+                   help="on SIGTERM, open streams get this long to complete; then each ends with an error event")
     p.add_argument("--api-key", default=env("PDSERVE_API_KEY"))
     p.add_argument("--log-level", default=env("PDSERVE_LOG_LEVEL", defaults.log_level))
     return p
@@ -63,7 +66,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_concurrent_requests=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens, inactivity_timeout_s=args.inactivity_timeout,
         max_migrations=args.max_migrations,
-        request_timeout_s=args.request_timeout, api_key=args.api_key, log_level=args.log_level,
+        request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace, api_key=args.api_key,
+        log_level=args.log_level,
     )
 
 

@@ -41,7 +41,7 @@ class GatewayConfig(ConnectionConfig):
     worker_alive_s: float = 5.0  # a WorkerStats this recent counts as alive (/health)
     worker_stats_ttl_s: float = 10.0  # /metrics drops instances silent for longer
     registry_cache_s: float = 1.0  # how long one Valkey registry scan is reused
-    shutdown_grace_s: float = 10.0  # uvicorn: wait this long for open streams on shutdown
+    shutdown_grace_s: float = 10.0  # on shutdown open streams get this long, then end with an error event
 
     api_key: str | None = None  # if set, /v1/* needs "Authorization: Bearer <api_key>"
     log_level: str = "info"
