@@ -31,6 +31,13 @@ log = logging.getLogger("pdserve.up")
 LOG_TAIL_BYTES = 2000
 
 
+def exit_description(returncode: int) -> str:
+    """`killed by SIGKILL` for a negative Popen return code, else `exit code N`."""
+    if returncode < 0 and -returncode in signal.valid_signals():
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit code {returncode}"
+
+
 @dataclass(frozen=True)
 class RestartPolicy:
     initial_backoff_s: float = 0.5
@@ -52,7 +59,7 @@ class CrashLoop(RuntimeError):
         lines = [line for line in tail.splitlines() if line.strip()]
         last = lines[-1].strip() if lines else "(no output)"
         super().__init__(f"{name} keeps crashing: it exited {failures} times in a row right after starting "
-                         f"(last exit code {returncode}): {last}\nits last output:\n{tail}")
+                         f"(last: {exit_description(returncode)}): {last}\nits last output:\n{tail}")
         self.name, self.returncode, self.tail = name, returncode, tail
 
 
@@ -136,8 +143,7 @@ class Supervisor:
             child.quick_failures = 0
             child.backoff_s = self.policy.initial_backoff_s
         child.quick_failures += 1
-        how = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() \
-            else f"exit code {code}"
+        how = exit_description(code)
         if child.quick_failures >= self.policy.max_quick_failures:
             log.error("%s exited (%s) after %.1f s, %d times in a row: giving up", child.name, how, uptime,
                       child.quick_failures)

@@ -55,7 +55,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
 
 class Stack:
     """The child processes of one `pdserve up`, supervised (`services/supervisor.py`): started in
-    order, restarted when one dies, stopped in reverse order."""
+    order, restarted when one dies, stopped stage by stage (gateway, workers, kvstore, servers)."""
 
     def __init__(self, workdir: Path, policy: RestartPolicy | None = None):
         self.workdir = workdir
@@ -170,11 +170,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     """Start the stack, then supervise it until Ctrl-C / SIGTERM (exit 0) or until a child keeps
     crashing (exit 1, with that child's error)."""
     stopping = threading.Event()
-    serving = False
+    orderly = False  # serving or stopping: a signal sets `stopping` and interrupts nothing
 
     def on_signal(signum, frame):  # SIGTERM behaves like Ctrl-C: stop everything in order
         stopping.set()
-        if not serving:  # still starting: break out of whatever start-up is waiting on
+        if not orderly:  # still starting: break out of whatever start-up is waiting on
             raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -187,7 +187,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"""try:  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{{"model": "SmolLM2-135M-Instruct", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "stream": true}}'""",
               flush=True)
-        serving = True
+        orderly = True
         while not stopping.wait(POLL_S):
             stack.check_alive()
         print("stopping pdserve ...", flush=True)
@@ -196,11 +196,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("stopping pdserve ...", flush=True)
         return 0
     except CrashLoop as exc:
-        # the gateway is stopped first: it ends every open stream with an error event
-        log.error("pdserve gives up: %s", exc)
+        # the gateway is stopped first (below): it ends every open stream with an error event
+        log.error("pdserve gives up: %s keeps crashing; stopping everything", exc.name)
         print(f"pdserve: error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        serving = False
+        orderly = True  # the ordered stop runs to its end (each stage is bounded)
         if stack is not None:
             stack.stop()

@@ -337,3 +337,30 @@ def test_child_crashing_at_once_makes_up_exit_with_its_error(tmp_path):
     assert "keeps crashing" in log and "unrecognized arguments: --no-such-flag" in log, log[-3000:]
     assert not leftovers(up), leftovers(up)
     print(f"\ncrash loop: up exited 1 after {elapsed:.1f} s naming the child's error")
+
+
+def test_crash_loop_while_serving_ends_open_streams_with_an_error_then_up_exits_1(tmp_path):
+    """decode-0 dies right after each start (killed here, 3 times in a row): `up` gives up, but
+    first its gateway ends every open stream with an error event; then exit 1, nothing left."""
+    up = start_up(tmp_path, "--dtype", "float32", "--quantization", "none", "--gateway-arg=--shutdown-grace=1")
+    try:
+        wait_up_healthy(up)
+        streams = Streams(up.url, [f"Write a long essay about the stone number {i}." for i in range(2)], 1000)
+        assert streams.started.wait(60)
+        pid = up.children()["decode-0"]
+        t0 = time.monotonic()
+        for kill in range(3):  # each right after the restart: a crash loop
+            os.kill(pid, signal.SIGKILL)
+            if kill < 2:
+                pid = wait_restarted(up, "decode-0", pid, bound=30)
+        assert up.proc.wait(60) == 1, up.log()[-3000:]
+        elapsed = time.monotonic() - t0
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
+    for i, outcome in streams.join(30).items():
+        assert outcome.kind == "errored", (i, outcome)
+        assert outcome.errors[-1]["message"] == "service shutting down", outcome.errors
+    assert "decode-0 keeps crashing" in up.log() and not leftovers(up), leftovers(up)
+    print(f"\ncrash loop while serving: 2 open streams ended with an error event; up exited 1 {elapsed:.1f} s "
+          "after the first kill")
