@@ -5,6 +5,7 @@
     pdserve model pull                             fetch the default model into the cache
     pdserve generate "prompt" [--chat]             stream the model's answer to the terminal
     pdserve bench --base-url URL [--workload W]    load any OpenAI-compatible server, report TTFT/TPOT/ITL/goodput
+    pdserve profile | simulate | plan              measure this machine; simulate a fleet; size the pools
 
 Environment variables are read here, once, and passed on as plain values.
 """
@@ -103,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                                          "report TTFT, TPOT, ITL, throughput and goodput")
     add_bench_args(bench)
     bench.set_defaults(func=cmd_bench)
+
+    from services.planner.cli import add_planner_commands
+
+    add_planner_commands(sub)  # profile, simulate, plan
     return parser
 
 

@@ -1,0 +1,211 @@
+"""`pdserve plan`: the cheapest configuration that meets the SLOs, found by simulation.
+
+Inputs: a workload (a bench workload at a rate, or a trace), SLOs on TTFT p90 and ITL p90, and a
+budget (workers = GPUs). The search uses the split the architecture is for — TTFT is mostly the
+prefill pool's doing, ITL the decode pool's — so each pool is sized on its own first:
+
+    1. P_min: the fewest prefill workers meeting the TTFT SLO with a generous decode pool
+    2. D_min: the fewest decode workers meeting the ITL SLO with a generous prefill pool
+    3. (P_min, D_min) together; while an SLO is missed, grow the pool that misses it
+    4. colocated (and conditional, if asked): the fewest workers meeting both, per chunk budget
+
+Each count is found by doubling then bisection (the SLO metrics fall as a pool grows), so a plan
+over a 1,000-worker budget takes a few dozen simulations. Every configuration tried is kept, and
+the answer lists the cheapest feasible ones with the reason each other one failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from shared.sim.cluster import ClusterConfig, simulate
+from shared.sim.cost import Profile, load_profile
+
+log = logging.getLogger("pdserve.plan")
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    slo_ttft_p90_ms: float
+    slo_itl_p90_ms: float
+    budget: int  # workers (GPUs) at most
+    modes: tuple[str, ...] = ("disaggregated", "colocated")
+    chunk_budgets: tuple[int | None, ...] = (None,)  # None: the profile's
+    kv_path: str = "shm"
+
+    def __post_init__(self) -> None:
+        if self.slo_ttft_p90_ms <= 0 or self.slo_itl_p90_ms <= 0:
+            raise ValueError("SLOs must be positive")
+        if self.budget < 1 or (self.budget < 2 and "disaggregated" in self.modes and len(self.modes) == 1):
+            raise ValueError("the budget must allow at least one worker per pool")
+
+
+@dataclass
+class Trial:
+    config: ClusterConfig
+    ttft_p90_ms: float
+    itl_p90_ms: float
+    goodput: float | None
+    summary: dict[str, Any] = field(repr=False)
+
+    @property
+    def workers(self) -> int:
+        return self.config.num_workers
+
+    def meets(self, spec: PlanSpec) -> bool:
+        return self.ttft_p90_ms <= spec.slo_ttft_p90_ms and self.itl_p90_ms <= spec.slo_itl_p90_ms
+
+    def why_not(self, spec: PlanSpec) -> str:
+        reasons = []
+        if self.ttft_p90_ms > spec.slo_ttft_p90_ms:
+            reasons.append(f"TTFT p90 {self.ttft_p90_ms:.0f} ms > {spec.slo_ttft_p90_ms:g}")
+        if self.itl_p90_ms > spec.slo_itl_p90_ms:
+            reasons.append(f"ITL p90 {self.itl_p90_ms:.1f} ms > {spec.slo_itl_p90_ms:g}")
+        if self.workers > spec.budget:
+            reasons.append(f"{self.workers} workers > budget {spec.budget}")
+        return "; ".join(reasons) or "meets the SLOs"
+
+    def to_json(self) -> dict[str, Any]:
+        c = self.config
+        return {"mode": c.mode, "prefill": c.prefill if c.mode != "colocated" else 0, "decode": c.decode,
+                "workers": self.workers, "chunk_budget": c.max_num_batched_tokens, "ttft_p90_ms": self.ttft_p90_ms,
+                "itl_p90_ms": self.itl_p90_ms, "request_goodput": self.goodput,
+                "request_throughput": self.summary["request_throughput"]}
+
+
+class Planner:
+    """Runs and remembers simulations of one workload (`arrivals()` gives a fresh request list)."""
+
+    def __init__(self, profile: Profile, spec: PlanSpec, arrivals: Callable[[], list], slo_tpot_ms: float | None = None):
+        self.profile, self.spec, self.arrivals = profile, spec, arrivals
+        self.slo_tpot_ms = slo_tpot_ms if slo_tpot_ms is not None else spec.slo_itl_p90_ms
+        self.trials: dict[ClusterConfig, Trial] = {}
+
+    def trial(self, config: ClusterConfig) -> Trial:
+        if config not in self.trials:
+            s = simulate(self.profile, config, self.arrivals(), slo_ttft_ms=self.spec.slo_ttft_p90_ms,
+                         slo_tpot_ms=self.slo_tpot_ms)
+            ttft = s["ttft_ms"]["p90"] if s["ttft_ms"] else float("inf")
+            itl = s["itl_ms"]["p90"] if s["itl_ms"] else 0.0
+            self.trials[config] = Trial(config, ttft, itl, s["goodput"]["request_goodput"], s)
+            log.info("%s P%d D%d chunk %s: TTFT p90 %.0f ms, ITL p90 %.1f ms", config.mode, config.prefill,
+                     config.decode, config.max_num_batched_tokens, ttft, itl)
+        return self.trials[config]
+
+    def smallest(self, make: Callable[[int], ClusterConfig], ok: Callable[[Trial], bool], hi: int) -> int | None:
+        """The least n in [1, hi] with ok(trial(make(n))), assuming ok is monotone in n."""
+        n = 1
+        while not ok(self.trial(make(n))):
+            if n >= hi:
+                return None
+            n = min(hi, 2 * n)
+        lo = n // 2  # ok(n), not ok(lo) (or lo = 0)
+        while n - lo > 1:
+            mid = (lo + n) // 2
+            if ok(self.trial(make(mid))):
+                n = mid
+            else:
+                lo = mid
+        return n
+
+    def plan_disaggregated(self, chunk: int | None) -> Trial | None:
+        spec = self.spec
+        base = ClusterConfig(mode="disaggregated", kv_path=spec.kv_path, max_num_batched_tokens=chunk)
+        big = max(1, spec.budget - 1)
+        p = self.smallest(lambda n: replace(base, prefill=n, decode=big),
+                          lambda t: t.ttft_p90_ms <= spec.slo_ttft_p90_ms, big)
+        d = self.smallest(lambda n: replace(base, prefill=big, decode=n),
+                          lambda t: t.itl_p90_ms <= spec.slo_itl_p90_ms, big)
+        if p is None or d is None:
+            return None
+        while p + d <= spec.budget:
+            t = self.trial(replace(base, prefill=p, decode=d))
+            if t.meets(spec):
+                return t
+            if t.ttft_p90_ms > spec.slo_ttft_p90_ms:
+                p += max(1, p // 20)
+            if t.itl_p90_ms > spec.slo_itl_p90_ms:
+                d += max(1, d // 20)
+        return None
+
+    def plan_single_pool(self, mode: str, chunk: int | None) -> Trial | None:
+        base = ClusterConfig(mode=mode, kv_path=self.spec.kv_path, max_num_batched_tokens=chunk)
+        if mode == "conditional":  # a prefill pool of the disaggregated plan's size, decode grows
+            n = self.smallest(lambda k: replace(base, prefill=max(1, k // 3), decode=max(1, k - k // 3)),
+                              lambda t: t.meets(self.spec), self.spec.budget)
+            return None if n is None else self.trial(replace(base, prefill=max(1, n // 3), decode=max(1, n - n // 3)))
+        n = self.smallest(lambda k: replace(base, decode=k), lambda t: t.meets(self.spec), self.spec.budget)
+        return None if n is None else self.trial(replace(base, decode=n))
+
+    def plan(self) -> dict[str, Any]:
+        best: list[Trial] = []
+        for chunk in self.spec.chunk_budgets:
+            for mode in self.spec.modes:
+                t = self.plan_disaggregated(chunk) if mode == "disaggregated" else self.plan_single_pool(mode, chunk)
+                if t is not None:
+                    best.append(t)
+        best.sort(key=lambda t: (t.workers, -(t.goodput or 0)))
+        feasible_ids = {id(t) for t in best}
+        tried = sorted(self.trials.values(), key=lambda t: t.workers)
+        rejected = [t.to_json() | {"why_not": t.why_not(self.spec)} for t in tried
+                    if id(t) not in feasible_ids and not t.meets(self.spec)]
+        return {"slo": {"ttft_p90_ms": self.spec.slo_ttft_p90_ms, "itl_p90_ms": self.spec.slo_itl_p90_ms},
+                "budget": self.spec.budget, "recommended": best[0].to_json() if best else None,
+                "runner_ups": [t.to_json() | {"why": f"{t.workers - best[0].workers} more workers"} for t in best[1:]],
+                "rejected": rejected[:20], "simulations": len(self.trials)}
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    from services.planner.simulate import add_workload_args
+
+    add_workload_args(p)
+    p.add_argument("--profile", default=None)
+    p.add_argument("--slo-ttft-p90-ms", type=float, required=True)
+    p.add_argument("--slo-itl-p90-ms", type=float, required=True)
+    p.add_argument("--budget", type=int, required=True, help="workers (GPUs) at most")
+    p.add_argument("--modes", default="disaggregated,colocated", help="comma list of modes to consider")
+    p.add_argument("--chunk-budgets", default="", help="comma list of max tokens per step (default: the profile's)")
+    p.add_argument("--kv-path", default="shm", choices=["shm", "network"])
+    p.add_argument("--json", default=None, help="write the plan here ('-': stdout)")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from services.planner.simulate import request_list
+
+    profile = load_profile(args.profile)
+    chunks = tuple(int(x) for x in args.chunk_budgets.split(",") if x.strip()) or (None,)
+    spec = PlanSpec(args.slo_ttft_p90_ms, args.slo_itl_p90_ms, args.budget,
+                    tuple(m.strip() for m in args.modes.split(",") if m.strip()), chunks, args.kv_path)
+    reqs = request_list(args)
+    result = Planner(profile, spec, lambda: [replace(r) for r in reqs], args.slo_tpot_ms).plan()
+    rec = result["recommended"]
+    lines = [f"pdserve plan: {len(reqs)} requests, SLOs TTFT p90 <= {spec.slo_ttft_p90_ms:g} ms, "
+             f"ITL p90 <= {spec.slo_itl_p90_ms:g} ms, budget {spec.budget} workers ({result['simulations']} simulations)"]
+    if rec is None:
+        lines.append("no configuration within the budget meets the SLOs")
+    else:
+        lines.append(f"recommended: {_describe(rec)}")
+        lines += [f"  runner-up: {_describe(t)} ({t['why']})" for t in result["runner_ups"]]
+    lines += [f"  rejected: {_describe(t)}: {t['why_not']}" for t in result["rejected"][:8]]
+    if args.json == "-":
+        print(json.dumps(result, indent=1))
+        print("\n".join(lines), file=sys.stderr)
+    else:
+        print("\n".join(lines))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0 if rec is not None else 1
+
+
+def _describe(t: dict[str, Any]) -> str:
+    pools = f"{t['prefill']} prefill + {t['decode']} decode" if t["mode"] != "colocated" else f"{t['decode']} workers"
+    chunk = f", chunk {t['chunk_budget']}" if t["chunk_budget"] else ""
+    return (f"{t['mode']} {pools}{chunk}: TTFT p90 {t['ttft_p90_ms']:.0f} ms, ITL p90 {t['itl_p90_ms']:.1f} ms, "
+            f"{t['request_throughput']:.2f} req/s")

@@ -1,0 +1,79 @@
+"""A profile for hardware this machine does not have, from its spec sheet and the model's shape
+(a roofline estimate, labelled as such in the file: `meta.kind = "roofline"`).
+
+    prefill   compute-bound: 2·params FLOPs a token, 4·layers·hidden FLOPs per attention pair,
+              at `mfu` of peak; plus one read of the weights a step
+    decode    bandwidth-bound: the weights once a step, each sequence's KV once a step, at `mbu`
+              of peak bandwidth; plus 2·params FLOPs per sequence at `decode_mfu`
+    transfer  a fixed latency + bytes ÷ link bandwidth (same host: `shm_gbps`; other host: `net_gbps`)
+
+`pdserve profile` measures the machine it runs on; this is for planning a fleet of GPUs from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.sim.cost import DecodeFit, EngineLimits, LinearFit, PrefillFit, Profile, TransferFit
+
+
+@dataclass(frozen=True)
+class RooflineSpec:
+    name: str = "llama-3-8b on h100-sxm (roofline)"
+    params: float = 8.03e9
+    layers: int = 32
+    hidden: int = 4096
+    kv_bytes_per_token: int = 131_072  # 32 layers × 8 KV heads × 128 dims × K,V × 2 bytes
+    weight_bytes: float = 16.06e9  # bf16
+    peak_flops: float = 989e12  # H100 SXM dense bf16
+    peak_bw: float = 3.35e12  # HBM3 bytes/s
+    hbm_bytes: float = 80e9
+    mfu: float = 0.5
+    decode_mfu: float = 0.3
+    mbu: float = 0.7
+    step_overhead_s: float = 0.002  # scheduling, launch, sampling per step
+    shm_gbps: float = 50.0  # GB/s within a host (pinned memory / NVLink)
+    net_gbps: float = 25.0  # GB/s between hosts (a 200 Gb/s NIC)
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    prefill_max_inflight: int = 8
+    kvstore_slots: int = 200_000  # host memory for the prefix cache, in blocks
+
+    def __post_init__(self) -> None:
+        for name, value in self.__dict__.items():
+            if name != "name" and not value > 0:
+                raise ValueError(f"roofline spec: {name} must be positive")
+
+
+def roofline_profile(spec: RooflineSpec) -> Profile:
+    block_bytes = 16 * spec.kv_bytes_per_token
+    weights_s = spec.weight_bytes / (spec.peak_bw * spec.mbu)
+    prefill = PrefillFit(base_s=weights_s + spec.step_overhead_s,
+                         per_token_s=2 * spec.params / (spec.peak_flops * spec.mfu),
+                         per_attn_pair_s=4 * spec.layers * spec.hidden / (spec.peak_flops * spec.mfu), per_seq_s=0.0)
+    decode = DecodeFit(base_s=weights_s + spec.step_overhead_s,
+                       per_seq_s=2 * spec.params / (spec.peak_flops * spec.decode_mfu),
+                       per_ctx_token_s=spec.kv_bytes_per_token / (spec.peak_bw * spec.mbu))
+    kv_blocks = int((spec.hbm_bytes * 0.9 - spec.weight_bytes) / block_bytes)
+    transfer = {path: TransferFit(LinearFit(1e-3, 1 / (gbps * 1e9)), LinearFit(1e-3, 1 / (gbps * 1e9)))
+                for path, gbps in (("shm", spec.shm_gbps), ("network", spec.net_gbps))}
+    limits = EngineLimits(max_num_batched_tokens=spec.max_num_batched_tokens, max_num_seqs=spec.max_num_seqs,
+                          num_kv_blocks=kv_blocks, prefill_max_inflight=spec.prefill_max_inflight,
+                          kv_bytes_per_block=block_bytes, kvstore_slots=spec.kvstore_slots)
+    return Profile(prefill, decode, transfer, limits, meta={"kind": "roofline", "model": spec.name,
+                                                            "spec": spec.__dict__})
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.planner.roofline", description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    Path(args.out).write_text(json.dumps(roofline_profile(RooflineSpec()).to_json(), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

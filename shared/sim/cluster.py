@@ -1,0 +1,413 @@
+"""The event loop: requests arrive, are routed, prefilled, their KV moved, decoded, finished.
+
+    arrival ──▶ prefill queue ──(a worker with room pulls)──▶ prefill engine (chunked, batched)
+                                                                   │ token 1 (TTFT); KV write
+                decode queue ◀──────────────── KV stored ◀─────────┘
+                     │ (a decode worker with a free slot and free blocks pulls; KV read, one at a time)
+                     ▼
+                decode engine (continuous batching, block budget, preemption) ──▶ finished
+
+Modes as in `pdserve up`: disaggregated (above), colocated (every worker takes whole requests from
+the prefill queue), conditional (prompts shorter than the threshold go to a decode worker whole).
+Queues are JetStream work queues in the real system: a worker pulls only when it has room, and a
+job waits for the first one that does (workers with room wait in a FIFO, like fetchers).
+The prefix cache is the kvstore's index: LRU over prompt-prefix keys, one store's capacity per host.
+
+Events sit in one heap as (time, sequence number, type, payload); a worker's step carries the
+worker's version, and an event whose version is stale (its span was cut short) is dropped.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.sim.cost import Profile
+from shared.sim.engine import SimEngine, SimSeq
+from shared.sim.metrics import Recorder
+from shared.sim.workload import SimRequest
+
+MODES = ("disaggregated", "colocated", "conditional")
+ARRIVE, STEP, KV_STORED, JOIN, RETRY = range(5)
+RETRY_DELAY_S = 1.0  # a decode job that found no blocks is redelivered after this (nak delay)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    mode: str = "disaggregated"
+    prefill: int = 1  # prefill workers (colocated: unused)
+    decode: int = 1  # decode workers (colocated: engine workers)
+    kv_path: str = "shm"  # "shm" | "network": the profile's transfer fit to use
+    max_num_batched_tokens: int | None = None  # None: the profile's
+    max_num_seqs: int | None = None
+    num_kv_blocks: int | None = None
+    prefill_max_inflight: int | None = None
+    prefix_caching: bool = True
+    conditional_threshold: int = 256
+    decode_pull_batch: int = 4  # a decode worker takes at most this many jobs per pull
+    gpus_per_host: int = 8  # workers sharing one kvstore (prefix-cache capacity per host)
+    decode_spans: bool = True  # false: every decode step its own event (slow; tests compare the two)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.decode < 1 or (self.mode != "colocated" and self.prefill < 1):
+            raise ValueError(f"{self.mode} needs at least one worker of each pool it uses")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "num_kv_blocks", "prefill_max_inflight"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+    @property
+    def num_workers(self) -> int:
+        return self.decode + (0 if self.mode == "colocated" else self.prefill)
+
+
+@dataclass
+class ClosedLoop:
+    """`concurrency` clients sending back to back until `window_s` (bench's interference chat streams)."""
+
+    make: Any  # index -> SimRequest (arrival ignored)
+    concurrency: int
+    window_s: float
+    next_index: Iterator[int] = field(default_factory=itertools.count)
+
+
+class PrefixCache:
+    """LRU over prefix keys, capacity in keys (each a block of the request's key size)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.keys: OrderedDict = OrderedDict()
+        self.queried_tokens = self.hit_tokens = 0
+
+    def match(self, req: SimRequest) -> int:
+        """Tokens of the request's prompt whose KV is cached (a whole leading run of keys)."""
+        n = 0
+        for key in req.prefix_keys:
+            if key not in self.keys:
+                break
+            self.keys.move_to_end(key)
+            n += 1
+        hit = min(n * req.prefix_key_tokens, req.prompt_tokens - 1)
+        hit -= hit % 16
+        self.queried_tokens += len(req.prefix_keys) * req.prefix_key_tokens
+        self.hit_tokens += hit
+        return max(hit, 0)
+
+    def insert(self, req: SimRequest) -> None:
+        for key in req.prefix_keys:
+            self.keys[key] = None
+            self.keys.move_to_end(key)
+        while len(self.keys) > self.capacity:
+            self.keys.popitem(last=False)
+
+
+class Cluster:
+    def __init__(self, profile: Profile, config: ClusterConfig, kinds: Iterable[str] = ("chat", "long"),
+                 itl_from_s: float | None = None):
+        self.profile, self.config = profile, config
+        lim = profile.limits
+        self.block_bytes = lim.kv_bytes_per_block
+        self.bs = lim.block_size
+        def mk(wid: int, role: str, blocks: int) -> SimEngine:
+            return SimEngine(wid, role, profile, blocks, config.max_num_seqs or lim.max_num_seqs,
+                             config.max_num_batched_tokens or lim.max_num_batched_tokens, config.decode_spans)
+
+        blocks = config.num_kv_blocks or lim.num_kv_blocks
+        if config.mode == "colocated":
+            self.prefill_pool: list[SimEngine] = []
+            self.decode_pool = [mk(i, "colocated", blocks) for i in range(config.decode)]
+        else:
+            self.prefill_pool = [mk(i, "prefill", lim.num_kv_blocks) for i in range(config.prefill)]
+            self.decode_pool = [mk(config.prefill + i, "decode", blocks) for i in range(config.decode)]
+        self.max_inflight = config.prefill_max_inflight or lim.prefill_max_inflight
+        hosts = max(1, math.ceil(config.num_workers / config.gpus_per_host))
+        self.cache = PrefixCache(lim.kvstore_slots * hosts) if config.prefix_caching else None
+        self.kind_names = list(kinds)
+        self.kind_ids = {k: i for i, k in enumerate(self.kind_names)}
+        self.rec = Recorder(self.kind_names, itl_from_s)
+        self.reqs: list[SimRequest] = []
+        self.heap: list = []
+        self.seq_no = itertools.count()
+        self.prefill_q: deque[int] = deque()  # request ids (whole requests in colocated mode)
+        self.decode_q: deque[int] = deque()  # decode jobs (KV stored)
+        self.direct_q: deque[int] = deque()  # conditional: whole short requests for decode workers
+        self.hungry_prefill: deque[SimEngine] = deque()
+        self.hungry_decode: deque[SimEngine] = deque()
+        self.kv_stats = {"transfers": 0, "bytes": 0, "write_s": 0.0, "read_s": 0.0, "retries": 0}
+        self.closed: ClosedLoop | None = None
+        self.closed_ids: set[int] = set()
+        self.events = 0
+        self.max_events = 10**9
+        self.now = 0.0
+
+    # ------------------------------------------------------------------------------------ run
+
+    def run(self, arrivals: Iterable[SimRequest], closed: ClosedLoop | None = None,
+            check_every: int = 0) -> None:
+        """Serve every request to its end. `check_every` > 0: check the invariants that often."""
+        self.closed = closed
+        if isinstance(arrivals, list):  # a livelock guard: generous, but a run must end
+            self.max_events = 50_000 * (len(arrivals) + (closed.concurrency if closed else 0)) + 10**6
+        it = iter(arrivals)
+        self._next_arrival(it)
+        if closed is not None:
+            for _ in range(closed.concurrency):
+                self._closed_next(0.0)
+        for w in self.prefill_pool + self.decode_pool:
+            self._mark_hungry(w)
+        heap, pop = self.heap, heapq.heappop
+        while heap:
+            t, _, typ, a, b = pop(heap)
+            self.now = t
+            self.events += 1
+            if typ == STEP:
+                if b == a.version and a.busy:
+                    self._on_step(a, t)
+            elif typ == ARRIVE:
+                self._arrive(a, t)
+                self._next_arrival(b)
+            elif typ == KV_STORED:
+                self._on_kv_stored(a, b, t)
+            elif typ == JOIN:
+                self._on_join(a, b, t)
+            elif typ == RETRY:
+                self.decode_q.appendleft(a)
+                self._feed(self.decode_q, self.hungry_decode, t)
+            if check_every and self.events % check_every == 0:
+                self.check_invariants()
+            if self.events > self.max_events:
+                raise RuntimeError(f"no progress after {self.events} events (a worker's KV budget too small for "
+                                   f"its jobs?); {len(self.rec.arrival)} requests so far")
+
+    def _push(self, t: float, typ: int, a, b=None) -> None:
+        heapq.heappush(self.heap, (t, next(self.seq_no), typ, a, b))
+
+    def _next_arrival(self, it: Iterator[SimRequest]) -> None:
+        req = next(it, None)
+        if req is not None:
+            self._push(req.arrival_s, ARRIVE, req, it)
+
+    def _closed_next(self, t: float) -> None:
+        c = self.closed
+        if t >= c.window_s:
+            return
+        req = c.make(next(c.next_index))
+        req.arrival_s = t
+        rid = self._arrive(req, t)
+        self.closed_ids.add(rid)
+
+    # -------------------------------------------------------------------------------- routing
+
+    def _arrive(self, req: SimRequest, t: float) -> int:
+        kind = self.kind_ids.get(req.kind)
+        if kind is None:
+            kind = self.kind_ids[req.kind] = len(self.kind_names)
+            self.kind_names.append(req.kind)
+            self.rec.hists.append(type(self.rec.hists[0])())
+        rid = self.rec.new_request(req.arrival_s, req.prompt_tokens, req.output_tokens, kind)
+        self.reqs.append(req)
+        if self.config.mode == "conditional" and req.prompt_tokens < self.config.conditional_threshold:
+            self.direct_q.append(rid)
+            self._feed(self.direct_q, self.hungry_decode, t)
+        else:
+            self.prefill_q.append(rid)
+            pool = self.hungry_decode if self.config.mode == "colocated" else self.hungry_prefill
+            self._feed(self.prefill_q, pool, t)
+        return rid
+
+    def _feed(self, queue: deque, hungry: deque, t: float) -> None:
+        """Jobs wait in `queue`; workers with room (in `hungry`) pull them."""
+        while queue and hungry:
+            w = hungry.popleft()
+            w.hungry = False
+            self._pull(w, t)
+
+    def _mark_hungry(self, w: SimEngine) -> None:
+        if not w.hungry and self._room(w) > 0:
+            w.hungry = True
+            (self.hungry_prefill if w.role == "prefill" else self.hungry_decode).append(w)
+
+    def _room(self, w: SimEngine) -> int:
+        if w.role == "prefill":
+            return self.max_inflight - w.held - w.num_requests
+        reserve = max(8, w.total_blocks // 8)  # as the decode worker: headroom for running sequences
+        if w.span is not None:
+            w.sync_span_blocks(self.now)
+        if w.free_blocks <= reserve:
+            return 0
+        return max(0, min(w.max_num_seqs - w.num_requests - w.held, self.config.decode_pull_batch))
+
+    def _pull(self, w: SimEngine, t: float) -> None:
+        room = self._room(w)
+        if w.role == "decode" and w.held:  # still reading the previous pull's KV
+            return
+        queues = (self.prefill_q,) if w.role in ("prefill", "colocated") else (self.decode_q, self.direct_q)
+        for q in queues:
+            while room > 0 and q:
+                self._take(w, q.popleft(), q is self.decode_q, t)
+                room -= 1
+        if room > 0:
+            self._mark_hungry(w)
+        if not w.busy:
+            self._plan(w, t)
+
+    def _take(self, w: SimEngine, rid: int, prefilled: bool, t: float) -> None:
+        req = self.reqs[rid]
+        kind = self.rec.kind[rid]
+        if prefilled:  # a decode job: read the KV (one read at a time per worker), then join
+            read = self.profile.transfer_time(self.config.kv_path, self._kv_bytes(req.prompt_tokens))[1]
+            start = max(t, w.intake_free_s)
+            w.intake_free_s = start + read
+            w.held += 1
+            self.kv_stats["read_s"] += read
+            seq = SimSeq(rid, kind, req.prompt_tokens + 1, req.prompt_tokens, req.output_tokens - 1, False)
+            self._push(start + read, JOIN, w, seq)
+            return
+        prefill_only = w.role == "prefill"
+        cached = self.cache.match(req) if self.cache is not None and req.prefix_keys else 0
+        seq = SimSeq(rid, kind, req.prompt_tokens, cached, 1 if prefill_only else req.output_tokens,
+                     prefill_only, cached)
+        if cached:  # the prefix's blocks are read from the store first
+            read = self.profile.transfer_time(self.config.kv_path, self._kv_bytes(cached))[1]
+            w.held += 1
+            self._push(t + read, JOIN, w, seq)
+        else:
+            w.add(seq)
+
+    def _kv_bytes(self, tokens: int) -> int:
+        return -(-tokens // self.bs) * self.block_bytes
+
+    # --------------------------------------------------------------------------------- events
+
+    def _plan(self, w: SimEngine, t: float) -> None:
+        end = w.plan(t)
+        if end is not None:
+            self._push(end, STEP, w, w.version)
+
+    def _on_join(self, w: SimEngine, seq: SimSeq, t: float) -> None:
+        w.held -= 1
+        if w.busy:  # it joins at the next step boundary: end the span there (and take its blocks)
+            end = w.cut_span(t)
+            if end is not None:
+                self._push(end, STEP, w, w.version)
+        if seq.prefill_only or w.role == "colocated" or seq.computed == seq.cached and seq.cached:
+            ok = w.import_seq(seq) if seq.computed else (w.add(seq) or True)
+            if not ok:  # the cached prefix does not fit here now: compute the whole prompt
+                seq.computed = seq.cached = 0
+                w.add(seq)
+        elif not w.import_seq(seq):  # no blocks for it now: redelivered later
+            self.kv_stats["retries"] += 1
+            self._push(t + RETRY_DELAY_S, RETRY, seq.rid)
+        if not w.busy:
+            self._plan(w, t)
+        if not w.held:
+            self._pull(w, t)
+
+    def _on_step(self, w: SimEngine, t: float) -> None:
+        for seq in w.complete(t, self.rec):
+            if seq.prefill_only:
+                self._prefill_done(w, seq, t)
+            else:
+                self._finished(seq.rid, t)
+        self._pull(w, t)
+        if not w.busy:
+            self._plan(w, t)
+
+    def _prefill_done(self, w: SimEngine, seq: SimSeq, t: float) -> None:
+        req = self.reqs[seq.rid]
+        if self.cache is not None and req.prefix_keys:
+            self.cache.insert(req)
+        if req.output_tokens == 1:
+            self._finished(seq.rid, t)
+            return
+        nbytes = self._kv_bytes(req.prompt_tokens) - self._kv_bytes(seq.cached)
+        write = self.profile.transfer_time(self.config.kv_path, nbytes)[0]
+        w.held += 1
+        ks = self.kv_stats
+        ks["transfers"] += 1
+        ks["bytes"] += self._kv_bytes(req.prompt_tokens)
+        ks["write_s"] += write
+        self._push(t + write, KV_STORED, w, seq.rid)
+
+    def _on_kv_stored(self, w: SimEngine, rid: int, t: float) -> None:
+        w.held -= 1
+        self.decode_q.append(rid)
+        self._feed(self.decode_q, self.hungry_decode, t)
+        self._pull(w, t)
+
+    def _finished(self, rid: int, t: float) -> None:
+        self.rec.finish(rid, t)
+        if self.closed is not None and rid in self.closed_ids:
+            self._closed_next(t)
+
+    # ---------------------------------------------------------------------------- invariants
+
+    def check_invariants(self, final: bool = False) -> None:
+        for w in self.prefill_pool + self.decode_pool:
+            held = sum(s.blocks for s in w.running) + sum(s.blocks for s in w.waiting)
+            if held != w.used_blocks or not 0 <= w.used_blocks <= w.total_blocks:
+                raise AssertionError(f"worker {w.wid}: {w.used_blocks} blocks in use, sequences hold {held}, "
+                                     f"budget {w.total_blocks}")
+            if final and (w.used_blocks or w.running or w.waiting or w.held):
+                raise AssertionError(f"worker {w.wid} still holds work at the end")
+        if final:
+            rec = self.rec
+            for rid in range(len(rec.arrival)):
+                if rec.finish_s[rid] < 0:
+                    raise AssertionError(f"request {rid} never finished")
+                if rec.tokens[rid] != rec.output[rid]:
+                    raise AssertionError(f"request {rid}: {rec.tokens[rid]} tokens out, {rec.output[rid]} asked")
+                if not rec.arrival[rid] <= rec.first_s[rid] <= rec.finish_s[rid]:
+                    raise AssertionError(f"request {rid}: times out of order")
+
+    # -------------------------------------------------------------------------------- report
+
+    def report(self, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> dict[str, Any]:
+        rec = self.rec
+        end = max(rec.finish_s, default=0.0)
+        summary = rec.summarize(end, self.profile.request_overhead_s, slo_ttft_ms, slo_tpot_ms)
+        pools = {"prefill": self.prefill_pool, "decode": self.decode_pool} if self.prefill_pool else \
+            {self.config.mode if self.config.mode == "colocated" else "decode": self.decode_pool}
+        cost = {}
+        for name, pool in pools.items():
+            if not pool:
+                continue
+            busy = sum(w.busy_s for w in pool)
+            cost[name] = {"workers": len(pool), "busy_s": busy, "gpu_s": len(pool) * end,
+                          "utilization": busy / (len(pool) * end) if end > 0 else 0.0,
+                          "preemptions": sum(w.preemptions for w in pool),
+                          "max_kv_blocks_used": max(w.max_used_blocks for w in pool),
+                          "kv_blocks_budget": pool[0].total_blocks}
+        cost["kv_transfer"] = dict(self.kv_stats)
+        if self.cache is not None:
+            cost["prefix_cache"] = {"queried_tokens": self.cache.queried_tokens, "hit_tokens": self.cache.hit_tokens}
+        summary["cost"] = cost
+        n = self.config.num_workers
+        good = summary["goodput"]
+        summary["per_worker"] = {"workers": n, "request_throughput": summary["request_throughput"] / n,
+                                 "request_goodput": good["request_goodput"] / n if good else None}
+        return summary
+
+
+def simulate(profile: Profile, config: ClusterConfig, arrivals: Iterable[SimRequest], *,
+             closed: ClosedLoop | None = None, itl_from_s: float | None = None, slo_ttft_ms: float | None = None,
+             slo_tpot_ms: float | None = None, check: bool = False) -> dict[str, Any]:
+    """Run to the end; the summary (bench's shape) plus cost per phase and the simulator's own speed."""
+    t0 = time.perf_counter()
+    cluster = Cluster(profile, config, itl_from_s=itl_from_s)
+    cluster.run(arrivals, closed, check_every=97 if check else 0)
+    cluster.check_invariants(final=True)
+    summary = cluster.report(slo_ttft_ms, slo_tpot_ms)
+    wall = time.perf_counter() - t0
+    summary["sim"] = {"events": cluster.events, "wall_s": wall, "requests_per_wall_s": summary["sent"] / max(wall, 1e-9),
+                      "mode": config.mode, "prefill": config.prefill if config.mode != "colocated" else 0,
+                      "decode": config.decode}
+    return summary

@@ -1,0 +1,163 @@
+"""Step and transfer times, from a profile file (`pdserve profile` writes one; see profile.py).
+
+The model of one engine step is linear in what the step does (fitted by least squares on measured
+steps, so it moves with the engine: re-profile and the simulator follows):
+
+    prefill part  base + per_token·T + per_attn_pair·A + per_seq·S
+                  T = new prompt tokens in the step, S = sequences with a chunk,
+                  A = Σ n_i·(s_i + n_i/2): query×key pairs of causal attention (chunk of n_i at offset s_i)
+    decode part   base + per_seq·B + per_ctx_token·C
+                  B = sequences decoding one token, C = Σ their context lengths (KV read per step)
+    mixed step    prefill part + decode part − the smaller base (one forward pass, one launch overhead)
+
+KV transfer (prefill → kvstore → decode) is base + per_byte·bytes, per path (shm | network).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PrefillFit:
+    base_s: float
+    per_token_s: float
+    per_attn_pair_s: float
+    per_seq_s: float
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "prefill fit")
+
+
+@dataclass(frozen=True)
+class DecodeFit:
+    base_s: float
+    per_seq_s: float
+    per_ctx_token_s: float
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "decode fit")
+
+
+@dataclass(frozen=True)
+class LinearFit:
+    base_s: float
+    per_byte_s: float
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "transfer fit")
+
+    def __call__(self, nbytes: float) -> float:
+        return self.base_s + self.per_byte_s * nbytes
+
+
+@dataclass(frozen=True)
+class TransferFit:
+    write: LinearFit  # prefill: allocate + write + commit
+    read: LinearFit  # decode: lookup + read + release
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The serving knobs the profile's machine runs with (the simulator's defaults)."""
+
+    block_size: int = 16
+    max_num_batched_tokens: int = 512  # the chunked-prefill budget per step
+    max_num_seqs: int = 64
+    num_kv_blocks: int = 2048  # per decode / colocated worker
+    prefill_max_inflight: int = 4  # jobs one prefill worker holds at once
+    kv_bytes_per_block: int = 368_640
+    kvstore_slots: int = 1024  # the prefix cache's capacity in blocks (one store per host)
+
+    def __post_init__(self) -> None:
+        for name, value in self.__dict__.items():
+            if value <= 0:
+                raise ValueError(f"profile engine limits: {name} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class Profile:
+    prefill: PrefillFit
+    decode: DecodeFit
+    transfer: dict[str, TransferFit]  # "shm" | "network"
+    limits: EngineLimits = EngineLimits()
+    # fixed per-request time outside the engine (gateway, queues, publish hops), split by phase
+    request_overhead_s: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.transfer:
+            raise ValueError("profile: no KV transfer path")
+        if self.request_overhead_s < 0:
+            raise ValueError("profile: request_overhead_s must be >= 0")
+
+    # ----------------------------------------------------------------------------- step times
+
+    def prefill_time(self, tokens: int, attn_pairs: float, seqs: int) -> float:
+        p = self.prefill
+        return p.base_s + p.per_token_s * tokens + p.per_attn_pair_s * attn_pairs + p.per_seq_s * seqs
+
+    def decode_time(self, batch: int, ctx_tokens: int) -> float:
+        d = self.decode
+        return d.base_s + d.per_seq_s * batch + d.per_ctx_token_s * ctx_tokens
+
+    def step_time(self, prefill_tokens: int, attn_pairs: float, prefill_seqs: int, batch: int, ctx_tokens: int) -> float:
+        if prefill_seqs and batch:
+            overlap = min(self.prefill.base_s, self.decode.base_s)
+            return self.prefill_time(prefill_tokens, attn_pairs, prefill_seqs) + self.decode_time(batch, ctx_tokens) - overlap
+        if prefill_seqs:
+            return self.prefill_time(prefill_tokens, attn_pairs, prefill_seqs)
+        return self.decode_time(batch, ctx_tokens)
+
+    def transfer_time(self, path: str, nbytes: int) -> tuple[float, float]:
+        """(write, read) seconds for one request's KV of `nbytes` over `path`."""
+        fit = self.transfer.get(path) or next(iter(self.transfer.values()))
+        return fit.write(nbytes), fit.read(nbytes)
+
+    # -------------------------------------------------------------------------------- file I/O
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": PROFILE_VERSION, "meta": self.meta, "limits": self.limits.__dict__,
+                "request_overhead_s": self.request_overhead_s,
+                "prefill": {"fit": self.prefill.__dict__}, "decode": {"fit": self.decode.__dict__},
+                "kv_transfer": {path: {"write": t.write.__dict__, "read": t.read.__dict__}
+                                for path, t in self.transfer.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Profile:
+        if data.get("version") != PROFILE_VERSION:
+            raise ValueError(f"profile version {data.get('version')!r}, expected {PROFILE_VERSION}")
+        try:
+            transfer = {path: TransferFit(LinearFit(**t["write"]), LinearFit(**t["read"]))
+                        for path, t in data["kv_transfer"].items()}
+            return cls(prefill=PrefillFit(**data["prefill"]["fit"]), decode=DecodeFit(**data["decode"]["fit"]),
+                       transfer=transfer, limits=EngineLimits(**data.get("limits", {})),
+                       request_overhead_s=float(data.get("request_overhead_s", 0.0)), meta=data.get("meta", {}))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"profile: malformed ({exc})") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+DEFAULT_PROFILE = Path(__file__).with_name("profiles") / "cpu-smollm2-135m.json"
+
+
+def load_profile(path: str | Path | None) -> Profile:
+    """The given profile file, or the one shipped for this machine (measured by `pdserve profile`)."""
+    p = Path(path) if path else DEFAULT_PROFILE
+    if not p.exists():
+        raise FileNotFoundError(f"profile {p} not found (write one with `pdserve profile --out {p}`)")
+    return Profile.load(p)
+
+
+def _non_negative(obj: object, what: str) -> None:
+    for name, value in obj.__dict__.items():
+        if not value >= 0:
+            raise ValueError(f"{what}: {name} must be >= 0, got {value}")

@@ -1,0 +1,328 @@
+"""One simulated worker: the policy of shared/engine/scheduler.py, timed by the profile.
+
+A step, as in the real scheduler: running sequences first, oldest first (a decode needs 1 token, an
+unfinished prefill the rest of its prompt cut to the token budget; when blocks run out the newest
+running sequence is preempted and recomputed later), then waiting ones first come first served while
+slots, budget and blocks allow. A sequence whose step completes its tokens samples one more.
+
+Decode spans. When every running sequence is decoding and nothing can join, the batch stays the same
+until the first of them finishes; its step times form an arithmetic series (the KV read grows by
+B tokens a step), so K steps are one event:
+
+    t_k = a + b·B + c·(C0 + k·B)        Σ_{k<K} t_k = K·(a + b·B + c·C0) + c·B·K(K−1)/2
+
+A sequence that arrives mid-span cuts the span at the next step boundary (the real engine admits
+it at the next schedule()). Nothing here allocates per token: a sequence is a handful of ints.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from shared.sim.cost import Profile
+
+
+class SimSeq:
+    __slots__ = ("rid", "kind", "num_tokens", "computed", "remaining", "blocks", "prefill_only", "cached",
+                 "preemptions")
+
+    def __init__(self, rid: int, kind: int, num_tokens: int, computed: int, remaining: int, prefill_only: bool,
+                 cached: int = 0):
+        self.rid, self.kind = rid, kind
+        self.num_tokens = num_tokens  # tokens that exist (prompt + sampled so far)
+        self.computed = computed  # tokens with KV in this worker
+        self.remaining = remaining  # tokens still to sample here (prefill-only: 1)
+        self.blocks = 0  # KV blocks held in this worker
+        self.prefill_only = prefill_only
+        self.cached = cached  # prompt tokens whose KV came from the prefix cache (not computed)
+        self.preemptions = 0
+
+
+class Span:
+    """A decode span in flight: K steps of a fixed batch from `start`."""
+
+    __slots__ = ("start", "steps", "batch", "ctx0", "first_step_s")
+
+    def __init__(self, start: float, steps: int, batch: int, ctx0: int, first_step_s: float):
+        self.start, self.steps, self.batch, self.ctx0, self.first_step_s = start, steps, batch, ctx0, first_step_s
+
+
+class SimEngine:
+    """A worker's engine: blocks, the running batch, the waiting queue, and the step in flight."""
+
+    def __init__(self, wid: int, role: str, profile: Profile, num_kv_blocks: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, spans: bool = True):
+        self.wid, self.role, self.profile = wid, role, profile
+        self.bs = profile.limits.block_size
+        self.total_blocks, self.used_blocks = num_kv_blocks, 0
+        self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
+        self.spans = spans
+        self.running: list[SimSeq] = []
+        self.waiting: deque[SimSeq] = deque()
+        self.busy = False
+        self.version = 0  # bumps when the step in flight is rescheduled (stale events are dropped)
+        self.span: Span | None = None
+        self.step_plan: list[tuple[SimSeq, int]] = []
+        self.step_start = self.step_end = 0.0
+        self.busy_s = 0.0  # time spent in steps (cost accounting)
+        self.preemptions = 0
+        self.max_used_blocks = 0
+        self.held = 0  # jobs held outside the engine: a prefill's KV being written, a decode job's being read
+        self.intake_free_s = 0.0  # decode: KV reads run one at a time
+        self.hungry = False  # waiting in its pool's queue of workers with room
+
+    # ------------------------------------------------------------------------------- admission
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.total_blocks - self.used_blocks
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.bs)
+
+    def import_seq(self, seq: SimSeq) -> bool:
+        """A decode job's KV arrives (add_prefilled): its blocks are taken now. False: no room."""
+        need = self.blocks_for(seq.computed)
+        if need > self.free_blocks:
+            return False
+        seq.blocks = need
+        self._take(need)
+        self.waiting.append(seq)
+        return True
+
+    def add(self, seq: SimSeq) -> None:
+        """A whole request or a prefill job: blocks are taken when the scheduler admits it."""
+        self.waiting.append(seq)
+
+    def _take(self, n: int) -> None:
+        self.used_blocks += n
+        if self.used_blocks > self.total_blocks:
+            raise AssertionError(f"worker {self.wid}: {self.used_blocks} KV blocks in use, budget {self.total_blocks}")
+        if self.used_blocks > self.max_used_blocks:
+            self.max_used_blocks = self.used_blocks
+
+    def _free(self, seq: SimSeq) -> None:
+        self.used_blocks -= seq.blocks
+        seq.blocks = 0
+
+    def _grow(self, seq: SimSeq, tokens: int) -> bool:
+        need = self.blocks_for(tokens) - seq.blocks
+        if need <= 0:
+            return True
+        if need > self.free_blocks:
+            return False
+        seq.blocks += need
+        self._take(need)
+        return True
+
+    # -------------------------------------------------------------------------------- planning
+
+    def plan(self, now: float) -> float | None:
+        """Choose the next step (or span) starting at `now`; returns its end time, None when idle."""
+        if not self.running and not self.waiting:
+            return None
+        self.step_start = now
+        span = self._try_span(now) if self.spans else None
+        if span is not None:
+            self.span, self.step_plan = span, []
+            self.step_end = now + self._span_time(span, span.steps)
+        else:
+            self.span = None
+            self.step_plan = self._schedule()
+            if not self.step_plan:
+                return None  # nothing fits (waiting on blocks that only a finish frees)
+            self.step_end = now + self._step_time(self.step_plan)
+        self.busy = True
+        self.version += 1
+        return self.step_end
+
+    def _try_span(self, now: float) -> Span | None:
+        running = self.running
+        if not running or self.waiting and len(running) < self.max_num_seqs:
+            return None
+        steps = 1 << 30
+        ctx = 0
+        for s in running:
+            if s.num_tokens - s.computed != 1 or s.prefill_only:
+                return None
+            if s.remaining < steps:
+                steps = s.remaining
+            ctx += s.num_tokens
+        steps = min(steps, self._steps_within_blocks(steps))
+        if steps < 2:
+            return None
+        for s in running:  # the first step's blocks are allocated at its start, as in a plain step
+            self._grow(s, s.computed + 1)
+        batch = len(running)
+        return Span(now, steps, batch, ctx, self.profile.decode_time(batch, ctx))
+
+    def _steps_within_blocks(self, upper: int) -> int:
+        """The most steps (≤ upper) the running batch can take before its blocks exceed the budget."""
+        def need(k: int) -> int:  # blocks held after k steps (each sequence computes k more tokens)
+            return sum(-(-(s.computed + k) // self.bs) - s.blocks for s in self.running)
+
+        free = self.free_blocks
+        if need(upper) <= free:
+            return upper
+        lo, hi = 0, upper  # need(lo) <= free < need(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if need(mid) <= free:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def _span_time(self, span: Span, k: int) -> float:
+        c = self.profile.decode.per_ctx_token_s
+        return k * span.first_step_s + c * span.batch * k * (k - 1) / 2
+
+    def steps_done_by(self, now: float) -> int:
+        """Whole steps of the span in flight finished by `now`."""
+        span = self.span
+        a, c = span.first_step_s, self.profile.decode.per_ctx_token_s * span.batch
+        elapsed = now - span.start
+        if c <= 0:
+            return int(elapsed // a) if a > 0 else span.steps
+        # k·a + c·k(k−1)/2 ≤ elapsed  →  the positive root of c/2·k² + (a − c/2)·k − elapsed = 0
+        half = c / 2
+        b = a - half
+        k = int((-b + math.sqrt(b * b + 4 * half * elapsed)) / (2 * half))
+        while k > 0 and self._span_time(span, k) > elapsed:
+            k -= 1
+        while k < span.steps and self._span_time(span, k + 1) <= elapsed:
+            k += 1
+        return k
+
+    def sync_span_blocks(self, now: float) -> None:
+        """Take the blocks of the span's steps begun by `now` (a plain step takes them at its start):
+        what someone looking at this worker's free blocks now must see."""
+        span = self.span
+        if span is None:
+            return
+        k = min(self.steps_done_by(now) + 1, span.steps)
+        for s in self.running:
+            self._grow(s, s.computed + k)
+
+    def cut_span(self, now: float) -> float | None:
+        """Someone joined: end the span at the next step boundary. Returns the new end (or None)."""
+        span = self.span
+        if span is None or span.steps <= 1:
+            return None
+        k = min(self.steps_done_by(now) + 1, span.steps)
+        if k == span.steps:
+            return None
+        span.steps = k
+        for s in self.running:  # blocks of the steps begun by now (what a newcomer must find taken)
+            self._grow(s, s.computed + k)
+        self.step_end = span.start + self._span_time(span, k)
+        self.version += 1
+        return self.step_end
+
+    def _schedule(self) -> list[tuple[SimSeq, int]]:
+        plan: list[tuple[SimSeq, int]] = []
+        budget = self.budget
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.computed, budget)
+            fits = True
+            while not self._grow(seq, seq.computed + n):  # preempt the newest until this one fits
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    fits = False
+                    break
+            if not fits:
+                break
+            plan.append((seq, n))
+            budget -= n
+            i += 1
+        if preempted:
+            return plan  # memory is tight: admit nobody new this step
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.computed, budget)
+            if not self._grow(seq, seq.computed + n):
+                if seq.computed == 0 and seq.blocks:  # don't sit on blocks while waiting
+                    self._free(seq)
+                # Sequences behind it that already hold their KV (imported decode jobs) go first:
+                # they block the head's blocks and only running can give them back.
+                seq = next((s for s in self.waiting if s.computed and self._grow(s, s.computed + 1)), None)
+                if seq is None:
+                    break
+                self.waiting.remove(seq)
+                n = 1 if seq.num_tokens - seq.computed == 1 else min(seq.num_tokens - seq.computed, budget)
+                if n > 1 and not self._grow(seq, seq.computed + n):
+                    self.waiting.appendleft(seq)
+                    break
+            else:
+                self.waiting.popleft()
+            self.running.append(seq)
+            plan.append((seq, n))
+            budget -= n
+        return plan
+
+    def _preempt(self, seq: SimSeq) -> None:
+        self._free(seq)
+        seq.computed = 0  # recomputed from scratch when it is admitted again
+        seq.cached = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _step_time(self, plan: list[tuple[SimSeq, int]]) -> float:
+        p_tokens = p_seqs = batch = ctx = 0
+        pairs = 0.0
+        for seq, n in plan:
+            if n == 1 and seq.num_tokens - seq.computed == 1:
+                batch += 1
+                ctx += seq.num_tokens
+            else:
+                p_tokens += n
+                p_seqs += 1
+                pairs += n * (seq.computed + n / 2)
+        return self.profile.step_time(p_tokens, pairs, p_seqs, batch, ctx)
+
+    # ------------------------------------------------------------------------------ completion
+
+    def complete(self, now: float, rec) -> list[SimSeq]:
+        """The step or span in flight ended at `now`: tokens out (via `rec`), the finished returned."""
+        self.busy = False
+        self.busy_s += now - self.step_start
+        span, done = self.span, []
+        if span is not None:
+            k = span.steps
+            for seq in self.running:
+                rec.token(seq, span.start + span.first_step_s)
+                seq.computed += k
+                seq.num_tokens += k
+                seq.remaining -= k
+                if not self._grow(seq, seq.computed):
+                    raise AssertionError(f"worker {self.wid}: a decode span outgrew its KV blocks")
+                if seq.remaining == 0:
+                    done.append(seq)
+            rec.span_tokens(self, span, k, now)
+            self.span = None
+        else:
+            for seq, n in self.step_plan:
+                seq.computed += n
+                if seq.computed == seq.num_tokens:  # the step completed its tokens: one is sampled
+                    seq.num_tokens += 1
+                    seq.remaining -= 1
+                    rec.token(seq, now)
+                    if seq.remaining == 0:
+                        done.append(seq)
+            self.step_plan = []
+        if done:
+            for seq in done:
+                self._free(seq)
+            self.running = [s for s in self.running if s.remaining > 0]
+        return done

@@ -1,0 +1,195 @@
+"""What the simulator measures, in `pdserve bench`'s terms (services/bench/metrics.py).
+
+Per request it keeps a few numbers (arrival, first and last token, tokens out), never a list of
+token times: inter-token latencies go into a log-spaced histogram per request kind (bins 0.5%
+wide, so a percentile read from it is within 0.3% of the exact one), which keeps an hour of a
+thousand workers' traffic in a few megabytes.
+
+    TTFT   first token − arrival (+ the profile's per-request overhead outside the engines)
+    TPOT   (E2EL − TTFT) / (output tokens − 1)
+    ITL    gap between consecutive tokens of one request (its first decode gap includes the KV move)
+    E2EL   last token − arrival (+ the same overhead)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+HIST_LO_S = 1e-6
+BINS_PER_E = 200  # bins per factor e: width 0.5%
+HIST_BINS = int(math.log(1e4 / HIST_LO_S) * BINS_PER_E) + 1
+ITL_SPAN_SAMPLES = 8  # a decode span's step times enter the histogram as this many weighted points
+
+
+class ItlHistogram:
+    __slots__ = ("counts", "n", "total", "lo", "hi")
+
+    def __init__(self):
+        self.counts = [0.0] * HIST_BINS
+        self.n, self.total, self.lo, self.hi = 0.0, 0.0, math.inf, 0.0
+
+    def add(self, x: float, weight: float = 1.0) -> None:
+        i = int(math.log(max(x, HIST_LO_S) / HIST_LO_S) * BINS_PER_E)
+        self.counts[min(i, HIST_BINS - 1)] += weight
+        self.n += weight
+        self.total += x * weight
+        if x < self.lo:
+            self.lo = x
+        if x > self.hi:
+            self.hi = x
+
+    def merge(self, other: ItlHistogram) -> None:
+        self.counts = [a + b for a, b in zip(self.counts, other.counts)]
+        self.n += other.n
+        self.total += other.total
+        self.lo, self.hi = min(self.lo, other.lo), max(self.hi, other.hi)
+
+    def percentile(self, q: float) -> float:
+        target = self.n * q / 100.0
+        acc = 0.0
+        for i, c in enumerate(self.counts):
+            if c and acc + c >= target:
+                frac = (target - acc) / c
+                x = HIST_LO_S * math.exp((i + frac) / BINS_PER_E)
+                return min(max(x, self.lo), self.hi)
+            acc += c
+        return self.hi
+
+    def summary_ms(self) -> dict[str, float] | None:
+        if self.n <= 0:
+            return None
+        out = {"n": int(round(self.n)), "mean": 1e3 * self.total / self.n, "min": 1e3 * self.lo}
+        out |= {f"p{q}": 1e3 * self.percentile(q) for q in PERCENTILES}
+        out["max"] = 1e3 * self.hi
+        return out
+
+
+class Recorder:
+    """Per-request times and the ITL histograms; the engines call `token` and `span_tokens`."""
+
+    def __init__(self, kinds: list[str], itl_from_s: float | None = None):
+        self.kinds = kinds
+        self.itl_from_s = -math.inf if itl_from_s is None else itl_from_s
+        self.hists = [ItlHistogram() for _ in kinds]
+        self.arrival: list[float] = []
+        self.prompt: list[int] = []
+        self.output: list[int] = []
+        self.kind: list[int] = []
+        self.first_s: list[float] = []
+        self.last_s: list[float] = []
+        self.finish_s: list[float] = []
+        self.tokens: list[int] = []
+
+    def new_request(self, arrival: float, prompt: int, output: int, kind: int) -> int:
+        self.arrival.append(arrival)
+        self.prompt.append(prompt)
+        self.output.append(output)
+        self.kind.append(kind)
+        self.first_s.append(-1.0)
+        self.last_s.append(-1.0)
+        self.finish_s.append(-1.0)
+        self.tokens.append(0)
+        return len(self.arrival) - 1
+
+    def token(self, seq, t: float) -> None:
+        rid = seq.rid
+        last = self.last_s[rid]
+        if last < 0:
+            self.first_s[rid] = t
+        elif t >= self.itl_from_s:
+            self.hists[seq.kind].add(t - last)
+        self.last_s[rid] = t
+        self.tokens[rid] += 1
+
+    def span_tokens(self, engine, span, k: int, end: float) -> None:
+        """Steps 1 … k−1 of a span (step 0 went through `token`): every running sequence gets one
+        token a step, the gap being that step's time."""
+        if k <= 1:
+            return
+        per_kind = [0] * len(self.kinds)
+        for seq in engine.running:
+            per_kind[seq.kind] += 1
+            self.last_s[seq.rid] = end
+            self.tokens[seq.rid] += k - 1
+        c = engine.profile.decode.per_ctx_token_s * span.batch
+        points = range(1, k) if k - 1 <= ITL_SPAN_SAMPLES else \
+            [1 + round((k - 2) * j / (ITL_SPAN_SAMPLES - 1)) for j in range(ITL_SPAN_SAMPLES)]
+        share = (k - 1) / len(points)
+        for j in points:
+            gap = span.first_step_s + c * j
+            if span.start + engine._span_time(span, j + 1) >= self.itl_from_s:
+                for kind, n in enumerate(per_kind):
+                    if n:
+                        self.hists[kind].add(gap, n * share)
+
+    def finish(self, rid: int, t: float) -> None:
+        self.finish_s[rid] = t
+
+    # ------------------------------------------------------------------------------- summary
+
+    def summarize(self, duration_s: float, overhead_s: float = 0.0, slo_ttft_ms: float | None = None,
+                  slo_tpot_ms: float | None = None) -> dict[str, Any]:
+        summary = self._summary(np.arange(len(self.arrival)), self._merged(range(len(self.kinds))), duration_s,
+                                overhead_s, slo_ttft_ms, slo_tpot_ms)
+        kinds = sorted(set(self.kind))
+        if len(kinds) > 1:
+            kind_arr = np.array(self.kind)
+            summary["by_kind"] = {self.kinds[k]: self._summary(np.nonzero(kind_arr == k)[0], self.hists[k], duration_s,
+                                                               overhead_s, slo_ttft_ms, slo_tpot_ms)
+                                  for k in kinds}
+        return summary
+
+    def _merged(self, kinds) -> ItlHistogram:
+        h = ItlHistogram()
+        for k in kinds:
+            h.merge(self.hists[k])
+        return h
+
+    def _summary(self, idx: np.ndarray, hist: ItlHistogram, duration_s: float, overhead_s: float,
+                 slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> dict[str, Any]:
+        arrival = np.array(self.arrival)[idx]
+        first, finish = np.array(self.first_s)[idx], np.array(self.finish_s)[idx]
+        out_tok, in_tok = np.array(self.output)[idx], np.array(self.prompt)[idx]
+        done = finish >= 0
+        ttft = (first - arrival + overhead_s)[done]
+        e2el = (finish - arrival + overhead_s)[done]
+        multi = done & (out_tok > 1)
+        tpot = (finish - first)[multi] / (out_tok[multi] - 1)
+        duration = max(duration_s, 1e-9)
+        n_done = int(done.sum())
+        outs, ins = int(out_tok[done].sum()), int(in_tok[done].sum())
+        s: dict[str, Any] = {
+            "sent": len(idx), "completed": n_done, "failed": len(idx) - n_done, "failures": {},
+            "duration_s": duration_s, "total_input_tokens": ins, "total_output_tokens": outs,
+            "output_tokens_of_failed": 0, "request_throughput": n_done / duration,
+            "output_throughput": outs / duration, "total_token_throughput": (ins + outs) / duration,
+            "ttft_ms": _distribution(ttft), "tpot_ms": _distribution(tpot), "itl_ms": hist.summary_ms(),
+            "e2el_ms": _distribution(e2el), "goodput": None,
+        }
+        if slo_ttft_ms is not None or slo_tpot_ms is not None:
+            ok = np.ones(n_done, dtype=bool)
+            if slo_ttft_ms is not None:
+                ok &= ttft * 1e3 <= slo_ttft_ms
+            if slo_tpot_ms is not None:
+                tp = np.zeros(n_done)
+                tp[(out_tok[done] > 1)] = tpot
+                ok &= tp * 1e3 <= slo_tpot_ms
+            good = int(ok.sum())
+            s["goodput"] = {"slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms, "good": good,
+                            "request_goodput": good / duration,
+                            "attainment_pct": 100.0 * good / len(idx) if len(idx) else None}
+        return s
+
+
+def _distribution(values_s: np.ndarray) -> dict[str, float] | None:
+    if values_s.size == 0:
+        return None
+    ms = values_s * 1e3
+    out = {"n": int(ms.size), "mean": float(ms.mean()), "min": float(ms.min())}
+    out |= {f"p{q}": float(np.percentile(ms, q)) for q in PERCENTILES}
+    out["max"] = float(ms.max())
+    return out

@@ -1,0 +1,163 @@
+"""The simulator's invariants on small, exact configurations (no model, no servers: fast)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from shared.sim.cluster import ClosedLoop, Cluster, ClusterConfig, simulate
+from shared.sim.cost import DecodeFit, EngineLimits, LinearFit, PrefillFit, Profile, TransferFit, load_profile
+from shared.sim.workload import SimRequest, bench_request, poisson_requests, read_trace
+
+PROFILE = Profile(
+    prefill=PrefillFit(base_s=0.01, per_token_s=1e-3, per_attn_pair_s=1e-7, per_seq_s=1e-3),
+    decode=DecodeFit(base_s=0.02, per_seq_s=2e-3, per_ctx_token_s=1e-5),
+    transfer={"shm": TransferFit(LinearFit(1e-3, 1e-10), LinearFit(1e-3, 1e-10))},
+    limits=EngineLimits(num_kv_blocks=2048, max_num_seqs=16, max_num_batched_tokens=256),
+)
+
+
+def _requests(n=60, rate=4.0, seed=1, name="chat"):
+    return list(poisson_requests(name, rate, seed, num_requests=n))
+
+
+def _run(config, reqs, **kw):
+    cluster = Cluster(PROFILE, config)
+    cluster.run(reqs, check_every=kw.pop("check_every", 1), **kw)
+    cluster.check_invariants(final=True)  # every request finished, tokens conserved, no blocks held
+    return cluster
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated", "conditional"])
+def test_every_request_finishes_and_tokens_are_conserved(mode):
+    reqs = _requests()
+    cluster = _run(ClusterConfig(mode=mode, prefill=2, decode=2), reqs)
+    rec = cluster.rec
+    assert len(rec.arrival) == len(reqs)
+    assert sum(rec.tokens) == sum(r.output_tokens for r in reqs)
+    summary = cluster.report()
+    assert summary["completed"] == summary["sent"] == len(reqs)
+    assert summary["total_output_tokens"] == sum(r.output_tokens for r in reqs)
+    itl = summary["itl_ms"]
+    assert itl["n"] == sum(r.output_tokens - 1 for r in reqs)  # one gap per token after the first
+
+
+def test_kv_blocks_never_exceed_the_budget_and_preemption_recovers():
+    # 40 blocks per decode worker: a few chat requests fill it, so running sequences get preempted
+    config = ClusterConfig(prefill=1, decode=1, num_kv_blocks=40)
+    cluster = _run(config, _requests(n=30, rate=50.0))
+    decode = cluster.decode_pool[0]
+    assert decode.max_used_blocks <= 40
+    assert decode.preemptions > 0
+    assert sum(cluster.rec.tokens) == sum(cluster.rec.output)
+
+
+def test_spans_match_step_by_step():
+    """Multi-step decode spans are exact: the same finish times as simulating every step."""
+    reqs = _requests(n=40, rate=3.0)
+    fast = _run(ClusterConfig(decode=2, num_kv_blocks=256), [replace(r) for r in reqs])  # with preemptions
+    slow = _run(ClusterConfig(decode=2, num_kv_blocks=256, decode_spans=False), [replace(r) for r in reqs])
+    assert sum(w.preemptions for w in fast.decode_pool) > 0
+    assert fast.events < slow.events / 2
+    for a, b in zip(fast.rec.finish_s, slow.rec.finish_s):
+        assert a == pytest.approx(b, rel=1e-9, abs=1e-9)
+    assert fast.rec.first_s == pytest.approx(slow.rec.first_s)
+    fa, sl = fast.report()["itl_ms"], slow.report()["itl_ms"]
+    for q in ("mean", "p50", "p90", "p99"):
+        assert fa[q] == pytest.approx(sl[q], rel=0.02), q
+
+
+def test_deterministic_and_more_workers_lower_latency():
+    reqs = _requests(n=80, rate=8.0)
+    a = simulate(PROFILE, ClusterConfig(decode=1), [replace(r) for r in reqs])
+    b = simulate(PROFILE, ClusterConfig(decode=1), [replace(r) for r in reqs])
+    assert a["ttft_ms"] == b["ttft_ms"] and a["itl_ms"] == b["itl_ms"]
+    c = simulate(PROFILE, ClusterConfig(prefill=3, decode=3), [replace(r) for r in reqs])
+    assert c["ttft_ms"]["p90"] < a["ttft_ms"]["p90"]
+    assert c["e2el_ms"]["p90"] < a["e2el_ms"]["p90"]
+
+
+def test_prefix_cache_hits_on_a_shared_prefix():
+    reqs = _requests(n=20, rate=2.0, name="shared-prefix")
+    on = simulate(PROFILE, ClusterConfig(), [replace(r) for r in reqs])
+    off = simulate(PROFILE, ClusterConfig(prefix_caching=False), [replace(r) for r in reqs])
+    assert on["cost"]["prefix_cache"]["hit_tokens"] >= 15 * 1200  # all but those sent before the first was stored
+    assert on["ttft_ms"]["p50"] < off["ttft_ms"]["p50"] / 2
+
+
+def test_closed_loop_interference_and_itl_window():
+    from services.bench.workloads import Workload
+
+    chat = Workload("chat", 0, output_tokens=(8, 16))
+    long = Workload("long-doc", 0, prompt_tokens=(600, 800), output_tokens=(4, 8))
+    arrivals = [bench_request(long, k, 2.0 + 3 * k) for k in range(3)]
+    closed = ClosedLoop(lambda i: bench_request(chat, i, 0.0), concurrency=3, window_s=10.0)
+    s = simulate(PROFILE, ClusterConfig(mode="colocated", decode=1), arrivals, closed=closed, itl_from_s=2.0)
+    assert s["by_kind"]["long"]["completed"] == 3 and s["by_kind"]["chat"]["completed"] >= 3
+    assert s["failed"] == 0
+
+
+def test_traces_plain_and_mooncake(tmp_path):
+    plain = tmp_path / "t.jsonl"
+    plain.write_text("\n".join(json.dumps(r) for r in [
+        {"arrival_s": 0.5, "prompt_tokens": 100, "output_tokens": 5, "prefix_id": "sys", "prefix_tokens": 64},
+        {"arrival_s": 0.1, "prompt_tokens": 80, "output_tokens": 3, "prefix_id": "sys", "prefix_tokens": 64}]))
+    reqs = read_trace(plain)
+    assert [r.arrival_s for r in reqs] == [0.0, 0.4] and len(reqs[0].prefix_keys) == 4
+    moon = tmp_path / "m.jsonl"
+    moon.write_text("\n".join(json.dumps(r) for r in [
+        {"timestamp": 1000, "input_length": 1100, "output_length": 20, "hash_ids": [1, 2, 3]},
+        {"timestamp": 6000, "input_length": 600, "output_length": 10, "hash_ids": [1, 9]}]))
+    reqs = read_trace(moon)
+    assert reqs[0].prefix_keys == (1, 2) and reqs[1].prefix_keys == (1,) and reqs[1].arrival_s == 5.0
+    s = simulate(PROFILE, ClusterConfig(), reqs)
+    assert s["completed"] == 2 and s["cost"]["prefix_cache"]["hit_tokens"] == 512
+    with pytest.raises(ValueError, match="m2.jsonl:1"):
+        (tmp_path / "m2.jsonl").write_text('{"timestamp": 1}')
+        read_trace(tmp_path / "m2.jsonl")
+
+
+def test_profile_file_round_trip_and_validation(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(PROFILE.to_json()))
+    assert load_profile(path) == PROFILE
+    bad = PROFILE.to_json()
+    bad["decode"]["fit"]["per_seq_s"] = -1
+    with pytest.raises(ValueError, match="per_seq_s"):
+        Profile.from_json(bad)
+    with pytest.raises(ValueError, match="mode"):
+        ClusterConfig(mode="sideways")
+    with pytest.raises(ValueError):
+        SimRequest(0.0, 0, 5)
+    shipped = load_profile(None)  # the default profile measured on this machine loads
+    assert shipped.decode.base_s > 0 and shipped.prefill.per_token_s > 0
+
+
+def test_bench_lengths_are_the_bench_workloads():
+    from services.bench.workloads import Workload
+
+    wl = Workload("long-doc", 3)
+    for i in range(5):
+        assert bench_request(wl, i, 0.0).output_tokens == wl.request(i).max_tokens
+        assert bench_request(wl, i, 0.0).prompt_tokens == wl.request(i).prompt_tokens + 11
+
+
+def test_simulate_cli_json_to_stdout():
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "simulate", "--workload", "chat", "--duration", "30",
+                           "--request-rate", "0.5", "--prefill", "1", "--decode", "2", "--slo-ttft-ms", "2000",
+                           "--slo-tpot-ms", "300", "--json", "-"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    (run,) = data["runs"]
+    s = run["summary"]
+    assert s["completed"] == s["sent"] > 0 and s["goodput"]["slo_ttft_ms"] == 2000
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        d = s[key]
+        assert d["min"] <= d["p50"] <= d["p90"] <= d["p99"] <= d["max"]
+    assert s["cost"]["prefill"]["workers"] == 1 and s["cost"]["decode"]["workers"] == 2
+    assert math.isfinite(s["sim"]["requests_per_wall_s"])
