@@ -222,6 +222,25 @@ class Dispatcher:
         self._config = config
         self._workers = workers  # WorkerView: who is alive (for migration)
         self.channels: set[RequestChannel] = set()  # open ones: a stopping gateway ends them
+        self._idle = asyncio.Event()  # set while no channel is open
+        self._idle.set()
+
+    def _opened(self, channel: RequestChannel) -> None:
+        self.channels.add(channel)
+        self._idle.clear()
+
+    def _closed(self, channel: RequestChannel) -> None:
+        self.channels.discard(channel)
+        if not self.channels:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Until no channel is open (True) or `timeout` seconds have passed (False)."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
 
     def end_all(self, code: ErrorCode, message: str) -> int:
         """Fail every open channel (see RequestChannel.fail); returns how many."""
@@ -250,8 +269,8 @@ class Dispatcher:
             self._nc, request_id, inactivity_timeout_s=cfg.inactivity_timeout_s, deadline_s=cfg.request_timeout_s,
             resubmit=resubmit, silent_for=self._workers.silent_for if self._workers is not None else None,
             role_of=self._workers.role_of if self._workers is not None else None,
-            max_migrations=cfg.max_migrations, worker_dead_s=cfg.worker_dead_s, on_close=self.channels.discard)
-        self.channels.add(channel)
+            max_migrations=cfg.max_migrations, worker_dead_s=cfg.worker_dead_s, on_close=self._closed)
+        self._opened(channel)
         try:
             await channel.subscribe()  # first: no event can slip past us
             await self._js.publish(self.route(len(prompt_ids)), encode(job), timeout=cfg.publish_timeout_s)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 
 import uvicorn
 
@@ -32,19 +31,15 @@ async def end_streams(state, grace_s: float) -> None:
     """Stop taking requests; give the open streams `grace_s` to complete, then end each one that
     is left with an SSE error event ("service shutting down"), so no client sees a bare close."""
     state.stopping = True
-    channels = state.dispatcher.channels
-    deadline = time.monotonic() + grace_s
-    if channels:
-        log.info("gateway stopping: %d streams open, waiting up to %.0f s for them", len(channels), grace_s)
-    while channels and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    if not channels:
+    dispatcher = state.dispatcher
+    if dispatcher.channels:
+        log.info("gateway stopping: %d streams open, waiting up to %.0f s for them", len(dispatcher.channels),
+                 grace_s)
+    if await dispatcher.wait_idle(grace_s):
         return
-    n = state.dispatcher.end_all(ErrorCode.UNAVAILABLE, "service shutting down")
+    n = dispatcher.end_all(ErrorCode.UNAVAILABLE, "service shutting down")
     log.warning("gateway stopping: ending %d open streams with an error event", n)
-    flushed = time.monotonic() + END_FLUSH_S  # each stream writes its error event and [DONE], then closes
-    while channels and time.monotonic() < flushed:
-        await asyncio.sleep(0.05)
+    await dispatcher.wait_idle(END_FLUSH_S)  # each stream writes its error event and [DONE], then closes
 
 
 async def serve(config: GatewayConfig, stop_event: asyncio.Event | None = None) -> None:
