@@ -90,7 +90,7 @@ def _value(summary: dict[str, Any], metric: str, q: str | None) -> float:
 
 def compare(cases=CASES, seed: int = 4242, quick_profile: bool = True) -> dict[str, Any]:
     """Profile, calibrate and run every case for real and in simulation; relative errors per metric."""
-    from services.planner.calibrate import calibrate, measure_stack
+    from services.planner.calibrate import calibrate, engine_up_args, measure_stack
     from services.planner.profile import ProfileConfig, run_profile
     from services.up import add_up_args, start_stack, wait_healthy
     from shared.model.hub import resolve_model_path
@@ -98,11 +98,17 @@ def compare(cases=CASES, seed: int = 4242, quick_profile: bool = True) -> dict[s
     from shared.transport.servers import free_port
 
     t0 = time.perf_counter()
-    engine_profile = Profile.from_json(run_profile(ProfileConfig(threads=1, quick=quick_profile)))
+    from shared.cli_args import add_engine_args, engine_config
+
+    engine_args = argparse.ArgumentParser()
+    add_engine_args(engine_args)  # the workers' engine defaults, one thread each (2 engines on 2 cores)
+    engine = engine_config(engine_args.parse_args(["--threads", "1"]))
+    engine_profile = Profile.from_json(run_profile(ProfileConfig(engine=engine, quick=quick_profile)))
     gguf = str(resolve_model_path(None))
     parser = argparse.ArgumentParser()
     add_up_args(parser)
-    args = parser.parse_args(["--port", str(free_port()), "--workdir", tempfile.mkdtemp(prefix="pdserve-acc-")])
+    args = parser.parse_args(["--port", str(free_port()), "--workdir", tempfile.mkdtemp(prefix="pdserve-acc-"),
+                              *engine_up_args(engine)])
     stack, url = start_stack(args)
     rows = []
     try:

@@ -83,6 +83,11 @@ def calibrate(profile: Profile, runs: list[CalibrationRun]) -> Profile:
     return replace(profile, prefill=prefill_fit, decode=decode_fit, request_overhead_s=request_overhead, meta=meta)
 
 
+def engine_up_args(engine) -> list[str]:
+    """`pdserve up` flags giving its workers the engine the profile measured."""
+    return ["--dtype", str(engine.dtype), "--quantization", str(engine.quantization or "none")]
+
+
 def calibrate_on_new_stack(profile: Profile, up_args: list[str] | None = None) -> Profile:
     """Start a `pdserve up` (default settings), measure, stop it."""
     from services.up import add_up_args, start_stack, wait_healthy

@@ -39,6 +39,9 @@ class PlanSpec:
     modes: tuple[str, ...] = ("disaggregated", "colocated")
     chunk_budgets: tuple[int | None, ...] = (None,)  # None: the profile's
     kv_path: str = "shm"
+    # None: the SLOs are on the p90s (the form). A percentage: instead, at least this share of
+    # requests must meet TTFT, and of TPOT (each request's mean ITL), and both together
+    attainment_pct: float | None = None
 
     def __post_init__(self) -> None:
         if self.slo_ttft_p90_ms <= 0 or self.slo_itl_p90_ms <= 0:
@@ -54,20 +57,28 @@ class Trial:
     itl_p90_ms: float
     goodput: float | None
     summary: dict[str, Any] = field(repr=False)
+    ttft_ok: bool = False
+    itl_ok: bool = False
+    both_ok: bool = False
 
     @property
     def workers(self) -> int:
         return self.config.num_workers
 
     def meets(self, spec: PlanSpec) -> bool:
-        return self.ttft_p90_ms <= spec.slo_ttft_p90_ms and self.itl_p90_ms <= spec.slo_itl_p90_ms
+        return self.ttft_ok and self.itl_ok and self.both_ok
 
     def why_not(self, spec: PlanSpec) -> str:
         reasons = []
-        if self.ttft_p90_ms > spec.slo_ttft_p90_ms:
-            reasons.append(f"TTFT p90 {self.ttft_p90_ms:.0f} ms > {spec.slo_ttft_p90_ms:g}")
-        if self.itl_p90_ms > spec.slo_itl_p90_ms:
-            reasons.append(f"ITL p90 {self.itl_p90_ms:.1f} ms > {spec.slo_itl_p90_ms:g}")
+        att = self.summary.get("slo_attainment") or {}
+        if not self.ttft_ok:
+            reasons.append(f"TTFT p90 {self.ttft_p90_ms:.0f} ms > {spec.slo_ttft_p90_ms:g}" if spec.attainment_pct is None
+                           else f"TTFT met by {att.get('ttft_pct', 0):.1f}% < {spec.attainment_pct:g}%")
+        if not self.itl_ok:
+            reasons.append(f"ITL p90 {self.itl_p90_ms:.1f} ms > {spec.slo_itl_p90_ms:g}" if spec.attainment_pct is None
+                           else f"TPOT met by {att.get('tpot_pct', 0):.1f}% < {spec.attainment_pct:g}%")
+        if self.ttft_ok and self.itl_ok and not self.both_ok:
+            reasons.append(f"both met by {self.summary['goodput']['attainment_pct']:.1f}% < {spec.attainment_pct:g}%")
         if self.workers > spec.budget:
             reasons.append(f"{self.workers} workers > budget {spec.budget}")
         return "; ".join(reasons) or "meets the SLOs"
@@ -94,7 +105,14 @@ class Planner:
                          slo_tpot_ms=self.slo_tpot_ms)
             ttft = s["ttft_ms"]["p90"] if s["ttft_ms"] else float("inf")
             itl = s["itl_ms"]["p90"] if s["itl_ms"] else 0.0
-            self.trials[config] = Trial(config, ttft, itl, s["goodput"]["request_goodput"], s)
+            spec = self.spec
+            if spec.attainment_pct is None:
+                ok = (ttft <= spec.slo_ttft_p90_ms, itl <= spec.slo_itl_p90_ms)
+                ok += (ok[0] and ok[1],)
+            else:
+                att, a = s["slo_attainment"], spec.attainment_pct
+                ok = (att["ttft_pct"] >= a, att["tpot_pct"] >= a, s["goodput"]["attainment_pct"] >= a)
+            self.trials[config] = Trial(config, ttft, itl, s["goodput"]["request_goodput"], s, *ok)
             log.info("%s P%d D%d chunk %s: TTFT p90 %.0f ms, ITL p90 %.1f ms", config.mode, config.prefill,
                      config.decode, config.max_num_batched_tokens, ttft, itl)
         return self.trials[config]
@@ -120,18 +138,18 @@ class Planner:
         base = ClusterConfig(mode="disaggregated", kv_path=spec.kv_path, max_num_batched_tokens=chunk)
         big = max(1, spec.budget - 1)
         p = self.smallest(lambda n: replace(base, prefill=n, decode=big),
-                          lambda t: t.ttft_p90_ms <= spec.slo_ttft_p90_ms, big)
+                          lambda t: t.ttft_ok, big)
         d = self.smallest(lambda n: replace(base, prefill=big, decode=n),
-                          lambda t: t.itl_p90_ms <= spec.slo_itl_p90_ms, big)
+                          lambda t: t.itl_ok, big)
         if p is None or d is None:
             return None
         while p + d <= spec.budget:
             t = self.trial(replace(base, prefill=p, decode=d))
             if t.meets(spec):
                 return t
-            if t.ttft_p90_ms > spec.slo_ttft_p90_ms:
+            if not t.ttft_ok or t.itl_ok:  # (both met separately, not together: grow prefill first)
                 p += max(1, p // 20)
-            if t.itl_p90_ms > spec.slo_itl_p90_ms:
+            if not t.itl_ok:
                 d += max(1, d // 20)
         return None
 

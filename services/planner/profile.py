@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,19 +42,15 @@ log = logging.getLogger("pdserve.profile")
 
 @dataclass(frozen=True)
 class ProfileConfig:
-    model: str | None = None
-    dtype: str = "bfloat16"
-    quantization: str | None = "int8"
-    device: str = "cpu"
-    threads: int = 1
+    engine: EngineConfig = field(default_factory=EngineConfig)  # as the workers run it (shared/cli_args.py)
     quick: bool = False
     repeat: int = 3
     transfer: bool = True  # measure the kvstore paths (starts nats-server, valkey-server, a kvstore)
     stack: bool = False  # also calibrate against a real `pdserve up` (calibrate.py)
 
     def __post_init__(self) -> None:
-        if self.threads < 1 or self.repeat < 1:
-            raise ValueError("profile: threads and repeat must be >= 1")
+        if self.repeat < 1:
+            raise ValueError("profile: repeat must be >= 1")
 
     @property
     def prefill_grid(self) -> list[tuple[int, int, int]]:
@@ -101,11 +97,9 @@ class Profiler:
         from shared.engine.engine import LLMEngine
 
         self.config = config
-        torch.set_num_threads(config.threads)
         blocks = 512 if config.quick else 2304  # enough for 64 × 512 tokens of synthetic context
-        self.engine = LLMEngine.from_config(EngineConfig(
-            model=config.model, dtype=config.dtype, quantization=config.quantization, device=config.device,
-            num_kv_blocks=blocks, num_threads=config.threads, max_num_seqs=64))
+        self.engine = LLMEngine.from_config(replace(config.engine, num_kv_blocks=blocks, max_num_seqs=64))
+        self.device = config.engine.device
         self.bs = self.engine.config.block_size
 
     def _chunks(self, specs: list[tuple[int, int]]):
@@ -123,7 +117,7 @@ class Profiler:
     def _forward(self, chunks) -> None:
         logits = self.engine.runner.execute(chunks)
         torch.argmax(logits, dim=-1).tolist()  # greedy sampling, and a sync point on accelerators
-        if self.config.device.startswith("cuda"):
+        if self.device.startswith("cuda"):
             torch.cuda.synchronize()
 
     def prefill(self) -> tuple[PrefillFit, list[dict]]:
@@ -252,19 +246,20 @@ def run_profile(config: ProfileConfig) -> dict[str, Any]:
         transfer, transfer_points = measure_transfer(block_shape, config.quick)
     else:  # a bare memcpy stands in (both directions), clearly labelled in the file
         transfer, transfer_points = {"shm": TransferFit(LinearFit(0.0, 1 / 5e9), LinearFit(0.0, 1 / 5e9))}, {}
-    limits = EngineLimits(kv_bytes_per_block=2 * torch.Size(block_shape).numel() if config.dtype in ("bfloat16", "bf16")
-                          else block_bytes)
-    meta = {"model": mcfg.name, "model_path": str(config.model or "default"), "device": config.device,
-            "dtype": config.dtype, "quantization": config.quantization, "threads": config.threads,
+    e = config.engine
+    limits = EngineLimits(kv_bytes_per_block=block_bytes, max_num_batched_tokens=e.max_num_batched_tokens)
+    meta = {"model": mcfg.name, "model_path": str(e.model or "default"), "device": e.device,
+            "dtype": e.dtype, "quantization": e.quantization, "kv_dtype": str(prof.engine.kv_cache.data.dtype),
+            "threads": torch.get_num_threads(),
             "machine": f"{platform.machine()} {os.cpu_count()} cores", "quick": config.quick,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "wall_s": round(time.perf_counter() - t0, 1), "transfer_measured": config.transfer}
     profile = Profile(prefill=prefill_fit, decode=decode_fit, transfer=transfer, limits=limits, meta=meta)
     if config.stack:
-        from services.planner.calibrate import calibrate_on_new_stack
+        from services.planner.calibrate import calibrate_on_new_stack, engine_up_args
 
         del prof  # free the engine's memory before the stack's workers load theirs
-        profile = calibrate_on_new_stack(profile)
+        profile = calibrate_on_new_stack(profile, engine_up_args(config.engine))
     data = profile.to_json()
     data["prefill"]["points"] = prefill_points
     data["decode"]["points"] = decode_points
@@ -274,26 +269,24 @@ def run_profile(config: ProfileConfig) -> dict[str, Any]:
 
 
 def add_profile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--quantization", default="int8", help="int8 | none")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
-                   help="torch threads, as one worker of `pdserve up` gets them (default: half the cores)")
+    from shared.cli_args import add_engine_args
+
+    add_engine_args(p)  # the engine exactly as the workers configure it (--model, --dtype, --threads …)
+    p.set_defaults(threads=max(1, (os.cpu_count() or 2) // 2))  # as one worker of a 1 + 1 `pdserve up`
     p.add_argument("--quick", action="store_true", help="a small grid (seconds; for tests)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--no-transfer", dest="transfer", action="store_false",
                    help="skip the kvstore measurement (no servers started)")
     p.add_argument("--stack", action="store_true",
-                   help="also calibrate on a real `pdserve up` (two short served runs): service overheads")
+                   help="also calibrate on a real `pdserve up` (three short served runs): service overheads")
     p.add_argument("--out", default="-", help="profile JSON path ('-': stdout)")
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    config = ProfileConfig(model=args.model, dtype=args.dtype,
-                           quantization=None if args.quantization in ("none", "") else args.quantization,
-                           device=args.device, threads=args.threads, quick=args.quick, repeat=args.repeat,
-                           transfer=args.transfer, stack=args.stack)
+    from shared.cli_args import engine_config
+
+    config = ProfileConfig(engine=engine_config(args), quick=args.quick, repeat=args.repeat, transfer=args.transfer,
+                           stack=args.stack)
     data = run_profile(config)
     text = json.dumps(data, indent=1)
     if args.out == "-":

@@ -41,6 +41,7 @@ class RooflineSpec:
     max_num_seqs: int = 256
     prefill_max_inflight: int = 8
     kvstore_slots: int = 200_000  # host memory for the prefix cache, in blocks
+    gpus: int = 1  # GPUs one worker spans (tensor parallel): peak figures above are per GPU
 
     def __post_init__(self) -> None:
         for name, value in self.__dict__.items():
@@ -48,30 +49,42 @@ class RooflineSpec:
                 raise ValueError(f"roofline spec: {name} must be positive")
 
 
+PRESETS = {
+    "llama3-8b-h100": RooflineSpec(),
+    # 70B on a tensor-parallel group of 8 H100s: one worker = 8 GPUs (80 layers × 8 KV heads × 128 × K,V × 2 B)
+    "llama3-70b-tp8-h100": RooflineSpec(name="llama-3-70b tp8 on 8× h100-sxm (roofline)", params=70.6e9, layers=80,
+                                        hidden=8192, kv_bytes_per_token=327_680, weight_bytes=141.2e9, gpus=8,
+                                        mfu=0.4, mbu=0.6, step_overhead_s=0.004, prefill_max_inflight=8,
+                                        max_num_seqs=256),
+}
+
+
 def roofline_profile(spec: RooflineSpec) -> Profile:
     block_bytes = 16 * spec.kv_bytes_per_token
-    weights_s = spec.weight_bytes / (spec.peak_bw * spec.mbu)
+    flops, bw, hbm = spec.peak_flops * spec.gpus, spec.peak_bw * spec.gpus, spec.hbm_bytes * spec.gpus
+    weights_s = spec.weight_bytes / (bw * spec.mbu)
     prefill = PrefillFit(base_s=weights_s + spec.step_overhead_s,
-                         per_token_s=2 * spec.params / (spec.peak_flops * spec.mfu),
-                         per_attn_pair_s=4 * spec.layers * spec.hidden / (spec.peak_flops * spec.mfu), per_seq_s=0.0)
+                         per_token_s=2 * spec.params / (flops * spec.mfu),
+                         per_attn_pair_s=4 * spec.layers * spec.hidden / (flops * spec.mfu), per_seq_s=0.0)
     decode = DecodeFit(base_s=weights_s + spec.step_overhead_s,
-                       per_seq_s=2 * spec.params / (spec.peak_flops * spec.decode_mfu),
-                       per_ctx_token_s=spec.kv_bytes_per_token / (spec.peak_bw * spec.mbu))
-    kv_blocks = int((spec.hbm_bytes * 0.9 - spec.weight_bytes) / block_bytes)
+                       per_seq_s=2 * spec.params / (flops * spec.decode_mfu),
+                       per_ctx_token_s=spec.kv_bytes_per_token / (bw * spec.mbu))
+    kv_blocks = int((hbm * 0.9 - spec.weight_bytes) / block_bytes)
     transfer = {path: TransferFit(LinearFit(1e-3, 1 / (gbps * 1e9)), LinearFit(1e-3, 1 / (gbps * 1e9)))
                 for path, gbps in (("shm", spec.shm_gbps), ("network", spec.net_gbps))}
     limits = EngineLimits(max_num_batched_tokens=spec.max_num_batched_tokens, max_num_seqs=spec.max_num_seqs,
                           num_kv_blocks=kv_blocks, prefill_max_inflight=spec.prefill_max_inflight,
-                          kv_bytes_per_block=block_bytes, kvstore_slots=spec.kvstore_slots)
+                          kv_bytes_per_block=block_bytes, kvstore_slots=spec.kvstore_slots, gpus_per_worker=spec.gpus)
     return Profile(prefill, decode, transfer, limits, meta={"kind": "roofline", "model": spec.name,
                                                             "spec": spec.__dict__})
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.planner.roofline", description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="llama3-8b-h100", choices=sorted(PRESETS))
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    Path(args.out).write_text(json.dumps(roofline_profile(RooflineSpec()).to_json(), indent=1) + "\n")
+    Path(args.out).write_text(json.dumps(roofline_profile(PRESETS[args.preset]).to_json(), indent=1) + "\n")
     return 0
 
 

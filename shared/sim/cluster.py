@@ -238,12 +238,15 @@ class Cluster:
     def _room(self, w: SimEngine) -> int:
         if w.role == "prefill":
             return self.max_inflight - w.held - w.num_requests
-        reserve = max(8, w.total_blocks // 8)  # as the decode worker: headroom for running sequences
-        if w.span is not None:
-            w.sync_span_blocks(self.now)
-        if w.free_blocks <= reserve:
+        slots = min(w.max_num_seqs - w.num_requests - w.held, self.config.decode_pull_batch)
+        if slots <= 0:
             return 0
-        return max(0, min(w.max_num_seqs - w.num_requests - w.held, self.config.decode_pull_batch))
+        reserve = max(8, w.total_blocks // 8)  # as the decode worker: headroom for running sequences
+        if w.span is not None and w.free_blocks_bound(self.now) <= reserve:
+            w.sync_span_blocks(self.now)  # close to the line: count exactly
+        elif w.span is not None:
+            return slots
+        return slots if w.free_blocks > reserve else 0
 
     def _pull(self, w: SimEngine, t: float) -> None:
         room = self._room(w)
@@ -391,9 +394,10 @@ class Cluster:
             cost["prefix_cache"] = {"queried_tokens": self.cache.queried_tokens, "hit_tokens": self.cache.hit_tokens}
         summary["cost"] = cost
         n = self.config.num_workers
+        gpus = n * self.profile.limits.gpus_per_worker
         good = summary["goodput"]
-        summary["per_worker"] = {"workers": n, "request_throughput": summary["request_throughput"] / n,
-                                 "request_goodput": good["request_goodput"] / n if good else None}
+        summary["per_gpu"] = {"workers": n, "gpus": gpus, "request_throughput": summary["request_throughput"] / gpus,
+                              "request_goodput": good["request_goodput"] / gpus if good else None}
         return summary
 
 

@@ -73,6 +73,7 @@ class EngineLimits:
     prefill_max_inflight: int = 4  # jobs one prefill worker holds at once
     kv_bytes_per_block: int = 368_640
     kvstore_slots: int = 1024  # the prefix cache's capacity in blocks (one store per host)
+    gpus_per_worker: int = 1  # accelerators one worker occupies (tensor parallel); goodput per GPU divides by it
 
     def __post_init__(self) -> None:
         for name, value in self.__dict__.items():

@@ -142,9 +142,7 @@ class SimEngine:
         return self.step_end
 
     def _try_span(self, now: float) -> Span | None:
-        running = self.running
-        if not running or self.waiting and len(running) < self.max_num_seqs:
-            return None
+        running, waiting = self.running, self.waiting
         steps = 1 << 30
         ctx = 0
         for s in running:
@@ -153,11 +151,28 @@ class SimEngine:
             if s.remaining < steps:
                 steps = s.remaining
             ctx += s.num_tokens
-        steps = min(steps, self._steps_within_blocks(steps))
-        if steps < 2:
+        # Waiting sequences that only need to decode (their KV imported) join now, first come first
+        # served, as the scheduler would admit them this step; anything else waiting: plain steps.
+        admitted = []
+        while waiting and len(running) + len(admitted) < self.max_num_seqs:
+            s = waiting[0]
+            if s.num_tokens - s.computed != 1 or s.prefill_only or \
+                    (s.computed + self.bs) // self.bs - s.blocks > self.free_blocks:
+                break
+            admitted.append(waiting.popleft())
+            if s.remaining < steps:
+                steps = s.remaining
+            ctx += s.num_tokens
+        if waiting and len(running) + len(admitted) < self.max_num_seqs or not running and not admitted:
+            waiting.extendleft(reversed(admitted))
             return None
-        for s in running:  # the first step's blocks are allocated at its start, as in a plain step
-            self._grow(s, s.computed + 1)
+        running += admitted
+        steps = min(steps, self._steps_within_blocks(steps))
+        if steps < 2:  # a plain step (the admitted wait at the queue's head, in order, for it)
+            del running[len(running) - len(admitted):]
+            waiting.extendleft(reversed(admitted))
+            return None
+        self._grow_all(1)  # the first step's blocks are allocated at its start, as in a plain step
         batch = len(running)
         return Span(now, steps, batch, ctx, self.profile.decode_time(batch, ctx))
 
@@ -167,7 +182,7 @@ class SimEngine:
             return sum(-(-(s.computed + k) // self.bs) - s.blocks for s in self.running)
 
         free = self.free_blocks
-        if need(upper) <= free:
+        if len(self.running) * (upper // self.bs + 1) <= free or need(upper) <= free:
             return upper
         lo, hi = 0, upper  # need(lo) <= free < need(hi)
         while hi - lo > 1:
@@ -199,15 +214,32 @@ class SimEngine:
             k += 1
         return k
 
+    def _grow_all(self, k: int) -> None:
+        """Every running sequence holds the blocks for `k` more tokens (a span's steps begun)."""
+        bs, grown = self.bs, 0
+        for s in self.running:
+            need = (s.computed + k + bs - 1) // bs - s.blocks
+            if need > 0:
+                s.blocks += need
+                grown += need
+        self._take(grown)
+
+    def free_blocks_bound(self, now: float) -> int:
+        """A lower bound of the free blocks at `now` without touching the batch (the span's growth so
+        far is at most one block a sequence per 16 steps, plus one)."""
+        span = self.span
+        if span is None:
+            return self.free_blocks
+        k = min(self.steps_done_by(now) + 1, span.steps)
+        return self.free_blocks - len(self.running) * (k // self.bs + 1)
+
     def sync_span_blocks(self, now: float) -> None:
         """Take the blocks of the span's steps begun by `now` (a plain step takes them at its start):
         what someone looking at this worker's free blocks now must see."""
         span = self.span
         if span is None:
             return
-        k = min(self.steps_done_by(now) + 1, span.steps)
-        for s in self.running:
-            self._grow(s, s.computed + k)
+        self._grow_all(min(self.steps_done_by(now) + 1, span.steps))
 
     def cut_span(self, now: float) -> float | None:
         """Someone joined: end the span at the next step boundary. Returns the new end (or None)."""
@@ -218,8 +250,7 @@ class SimEngine:
         if k == span.steps:
             return None
         span.steps = k
-        for s in self.running:  # blocks of the steps begun by now (what a newcomer must find taken)
-            self._grow(s, s.computed + k)
+        self._grow_all(k)  # blocks of the steps begun by now (what a newcomer must find taken)
         self.step_end = span.start + self._span_time(span, k)
         self.version += 1
         return self.step_end
@@ -299,17 +330,7 @@ class SimEngine:
         self.busy_s += now - self.step_start
         span, done = self.span, []
         if span is not None:
-            k = span.steps
-            for seq in self.running:
-                rec.token(seq, span.start + span.first_step_s)
-                seq.computed += k
-                seq.num_tokens += k
-                seq.remaining -= k
-                if not self._grow(seq, seq.computed):
-                    raise AssertionError(f"worker {self.wid}: a decode span outgrew its KV blocks")
-                if seq.remaining == 0:
-                    done.append(seq)
-            rec.span_tokens(self, span, k, now)
+            done = rec.decode_span(self, span, now)
             self.span = None
         else:
             for seq, n in self.step_plan:

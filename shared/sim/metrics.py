@@ -105,26 +105,53 @@ class Recorder:
         self.last_s[rid] = t
         self.tokens[rid] += 1
 
-    def span_tokens(self, engine, span, k: int, end: float) -> None:
-        """Steps 1 … k−1 of a span (step 0 went through `token`): every running sequence gets one
-        token a step, the gap being that step's time."""
-        if k <= 1:
-            return
-        per_kind = [0] * len(self.kinds)
+    def decode_span(self, engine, span, end: float) -> list:
+        """A decode span of `span.steps` steps ended at `end`: every running sequence got one token a
+        step. One pass over the batch (this is the simulator's inner loop): tokens, times, blocks;
+        the gaps go to the histograms, step 0's per sequence only when it did not start with the span."""
+        k, start, first = span.steps, span.start, span.first_step_s
+        first_end = start + first
+        last_s, tokens, hists, bs = self.last_s, self.tokens, self.hists, engine.bs
+        counting_first = first_end >= self.itl_from_s
+        per_kind = [0] * len(hists)
+        cont_kind = [0] * len(hists)  # sequences whose previous token ended as the span began
+        grown, done = 0, []
         for seq in engine.running:
-            per_kind[seq.kind] += 1
-            self.last_s[seq.rid] = end
-            self.tokens[seq.rid] += k - 1
-        c = engine.profile.decode.per_ctx_token_s * span.batch
-        points = range(1, k) if k - 1 <= ITL_SPAN_SAMPLES else \
-            [1 + round((k - 2) * j / (ITL_SPAN_SAMPLES - 1)) for j in range(ITL_SPAN_SAMPLES)]
-        share = (k - 1) / len(points)
-        for j in points:
-            gap = span.first_step_s + c * j
-            if span.start + engine._span_time(span, j + 1) >= self.itl_from_s:
-                for kind, n in enumerate(per_kind):
-                    if n:
-                        self.hists[kind].add(gap, n * share)
+            rid, kind = seq.rid, seq.kind
+            last = last_s[rid]
+            per_kind[kind] += 1
+            if last == start:
+                cont_kind[kind] += 1
+            elif counting_first:
+                hists[kind].add(first_end - last)
+            last_s[rid] = end
+            tokens[rid] += k
+            seq.num_tokens += k
+            seq.remaining -= k
+            computed = seq.computed = seq.computed + k
+            need = (computed + bs - 1) // bs - seq.blocks
+            if need > 0:
+                seq.blocks += need
+                grown += need
+            if seq.remaining == 0:
+                done.append(seq)
+        engine._take(grown)
+        if counting_first:
+            for kind, n in enumerate(cont_kind):
+                if n:
+                    hists[kind].add(first, n)
+        if k > 1:
+            c = engine.profile.decode.per_ctx_token_s * span.batch
+            points = range(1, k) if k - 1 <= ITL_SPAN_SAMPLES else \
+                [1 + round((k - 2) * j / (ITL_SPAN_SAMPLES - 1)) for j in range(ITL_SPAN_SAMPLES)]
+            share = (k - 1) / len(points)
+            for j in points:
+                if start + engine._span_time(span, j + 1) >= self.itl_from_s:
+                    gap = first + c * j
+                    for kind, n in enumerate(per_kind):
+                        if n:
+                            hists[kind].add(gap, n * share)
+        return done
 
     def finish(self, rid: int, t: float) -> None:
         self.finish_s[rid] = t
@@ -178,6 +205,10 @@ class Recorder:
                 tp = np.zeros(n_done)
                 tp[(out_tok[done] > 1)] = tpot
                 ok &= tp * 1e3 <= slo_tpot_ms
+            s["slo_attainment"] = {
+                "ttft_pct": 100.0 * float((ttft * 1e3 <= slo_ttft_ms).mean()) if slo_ttft_ms is not None and n_done else None,
+                "tpot_pct": 100.0 * float((tpot * 1e3 <= slo_tpot_ms).sum() + (n_done - tpot.size)) / n_done
+                if slo_tpot_ms is not None and n_done else None}
             good = int(ok.sum())
             s["goodput"] = {"slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms, "good": good,
                             "request_goodput": good / duration,

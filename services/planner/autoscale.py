@@ -1,0 +1,298 @@
+"""The live planner behind `pdserve up --autoscale`: watch the gateway's metrics, add or remove
+local prefill / decode worker processes.
+
+    every interval:  /metrics → Observation (this interval's TTFT and ITL p90 from histogram deltas,
+                     queue depths) → Autoscaler.step → spawn or drain through an Actuator
+
+Policy (Autoscaler, pure: tests drive it with simulated observations):
+  * a pool is *hot* when its SLO is missed (prefill: TTFT p90; decode: ITL p90) or work queues up
+    for it; *cold* when its metric is below `low_water` × SLO and nothing waits — a band between
+    the two where nothing happens (hysteresis: a steady load never flips between two counts)
+  * add one worker after `up_after` hot intervals in a row; remove one after `down_after` cold
+    ones (much longer: adding is cheap to undo, removing a worker under load is not); `cooldown`
+    intervals after any change to a pool before the next, so the change's effect is seen first
+  * no traffic at all is cold for both pools: they shrink to their minimum
+  * never more processes than the budget — draining ones count until they have exited
+  * removal drains: SIGTERM (the worker stops taking jobs, finishes what it holds, exits); the
+    worker is out of the count of capacity at once and out of the budget when it has exited
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from shared.telemetry.names import ITL, REQUESTS_TOTAL, REQUESTS_WAITING, TTFT
+
+log = logging.getLogger("pdserve.autoscale")
+
+KINDS = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    min_prefill: int = 1
+    max_prefill: int = 4
+    min_decode: int = 1
+    max_decode: int = 4
+    budget: int = 6  # prefill + decode processes at most, draining ones included
+    interval_s: float = 5.0
+    up_after: int = 2  # hot intervals in a row before adding a worker
+    down_after: int = 6  # cold intervals in a row before removing one
+    cooldown: int = 2  # intervals after a change to a pool before it may change again
+    slo_ttft_p90_s: float = 2.0
+    slo_itl_p90_s: float = 0.25
+    low_water: float = 0.4  # cold: the metric below this fraction of its SLO
+    queue_per_worker: float = 2.0  # hot: more than this many requests waiting per worker of the pool
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_prefill <= self.max_prefill or not 0 <= self.min_decode <= self.max_decode:
+            raise ValueError("autoscale: need 0 <= min <= max for each pool")
+        if self.min_prefill + self.min_decode > self.budget:
+            raise ValueError(f"autoscale: the minimums ({self.min_prefill} + {self.min_decode}) exceed the budget "
+                             f"{self.budget}")
+        if self.interval_s <= 0 or self.up_after < 1 or self.down_after <= self.up_after or self.cooldown < 0:
+            raise ValueError("autoscale: need interval > 0, up_after >= 1, down_after > up_after, cooldown >= 0")
+        if not 0 < self.low_water < 1 or self.slo_ttft_p90_s <= 0 or self.slo_itl_p90_s <= 0:
+            raise ValueError("autoscale: need 0 < low_water < 1 and positive SLOs")
+
+    def bounds(self, kind: str) -> tuple[int, int]:
+        return (self.min_prefill, self.max_prefill) if kind == "prefill" else (self.min_decode, self.max_decode)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One interval of the system, as the gateway's metrics show it."""
+
+    requests: int  # requests that arrived in the interval
+    ttft_p90_s: float | None  # None: no first token in the interval
+    itl_p90_s: float | None
+    prefill_waiting: float  # requests dispatched with no first token yet
+    decode_waiting: float  # decode jobs waiting for a worker
+
+
+class Actuator(Protocol):
+    def spawn(self, kind: str) -> str: ...  # start a worker; its name
+
+    def drain(self, kind: str, name: str) -> None: ...  # SIGTERM: finish and exit
+
+    def exited(self, name: str) -> bool: ...
+
+
+@dataclass
+class PoolState:
+    active: list[str] = field(default_factory=list)
+    draining: list[str] = field(default_factory=list)
+    hot: int = 0
+    cold: int = 0
+    since_change: int = 1 << 30
+
+
+@dataclass(frozen=True)
+class Decision:
+    interval: int
+    kind: str
+    action: str  # "add" | "drain"
+    name: str
+    reason: str
+
+
+class Autoscaler:
+    def __init__(self, config: AutoscaleConfig, actuator: Actuator, initial: dict[str, list[str]]):
+        self.config, self.actuator = config, actuator
+        self.pools = {kind: PoolState(active=list(initial.get(kind, []))) for kind in KINDS}
+        self.interval = 0
+        self.decisions: list[Decision] = []
+
+    def count(self, kind: str) -> int:
+        return len(self.pools[kind].active)
+
+    @property
+    def processes(self) -> int:
+        return sum(len(p.active) + len(p.draining) for p in self.pools.values())
+
+    def step(self, obs: Observation) -> list[Decision]:
+        self.interval += 1
+        for pool in self.pools.values():  # drained workers that have exited leave the budget
+            pool.draining = [n for n in pool.draining if not self.actuator.exited(n)]
+            pool.since_change += 1
+        pressure = {"prefill": self._pressure("prefill", obs.ttft_p90_s, self.config.slo_ttft_p90_s,
+                                              obs.prefill_waiting, obs.requests),
+                    "decode": self._pressure("decode", obs.itl_p90_s, self.config.slo_itl_p90_s,
+                                             obs.decode_waiting, obs.requests)}
+        made = []
+        # the pool further over its SLO gets a free budget slot first
+        for kind in sorted(KINDS, key=lambda k: -pressure[k]):
+            pool, (lo, hi) = self.pools[kind], self.config.bounds(kind)
+            if pool.since_change <= self.config.cooldown:
+                continue
+            n = len(pool.active)
+            if n < lo or (pool.hot >= self.config.up_after and n < hi):
+                if self.processes >= self.config.budget:
+                    continue  # at the budget (maybe still draining): wait
+                made.append(self._add(kind, f"hot {pool.hot} intervals (pressure {pressure[kind]:.2f})"
+                                      if n >= lo else "below its minimum"))
+            elif pool.cold >= self.config.down_after and n > lo:
+                made.append(self._drain(kind, f"cold {pool.cold} intervals"))
+        self.decisions += made
+        return made
+
+    def _pressure(self, kind: str, p90: float | None, slo: float, waiting: float, requests: int) -> float:
+        """Updates the pool's hot/cold streaks; returns how far over its SLO it is (for priority)."""
+        pool, cfg = self.pools[kind], self.config
+        n = max(1, len(pool.active))
+        queued = waiting > cfg.queue_per_worker * n
+        over = (p90 or 0.0) / slo
+        hot = over > 1.0 or queued
+        cold = (requests == 0 and waiting == 0) or (over < cfg.low_water and waiting == 0)
+        pool.hot = pool.hot + 1 if hot else 0
+        pool.cold = pool.cold + 1 if cold else 0
+        return over + (waiting / n if queued else 0.0)
+
+    def _add(self, kind: str, reason: str) -> Decision:
+        pool = self.pools[kind]
+        name = self.actuator.spawn(kind)
+        pool.active.append(name)
+        pool.hot = pool.cold = 0
+        pool.since_change = 0
+        log.info("autoscale: + %s %s (%s); now %d", kind, name, reason, len(pool.active))
+        return Decision(self.interval, kind, "add", name, reason)
+
+    def _drain(self, kind: str, reason: str) -> Decision:
+        pool = self.pools[kind]
+        name = pool.active.pop()  # the newest: the one most likely to be lightly loaded
+        self.actuator.drain(kind, name)
+        pool.draining.append(name)
+        pool.hot = pool.cold = 0
+        pool.since_change = 0
+        log.info("autoscale: - %s %s draining (%s); now %d", kind, name, reason, len(pool.active))
+        return Decision(self.interval, kind, "drain", name, reason)
+
+
+# ------------------------------------------------------------------------------- live metrics
+
+_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
+
+
+def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
+    out = []
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m or line.startswith("#"):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"] or ""))
+        try:
+            out.append((m["name"], labels, float(m["value"])))
+        except ValueError:
+            continue
+    return out
+
+
+def _buckets(samples, name: str) -> dict[float, float]:
+    """Cumulative bucket counts of a histogram, summed over label sets, by upper bound."""
+    out: dict[float, float] = {}
+    for n, labels, v in samples:
+        if n == f"{name}_bucket":
+            le = float(labels["le"]) if labels.get("le") not in (None, "+Inf") else float("inf")
+            out[le] = out.get(le, 0.0) + v
+    return out
+
+
+def histogram_p90(now: dict[float, float], before: dict[float, float]) -> float | None:
+    """p90 of the observations between two scrapes (the upper bound of the bucket holding it)."""
+    bounds = sorted(now)
+    delta = [now[b] - before.get(b, 0.0) for b in bounds]
+    if not delta or delta[-1] <= 0:
+        return None
+    target = 0.9 * delta[-1]
+    for b, c in zip(bounds, delta):
+        if c >= target:
+            return b if b != float("inf") else bounds[-2] if len(bounds) > 1 else None
+    return None
+
+
+class MetricsWatcher:
+    """Scrapes the gateway's /metrics; each `observe()` describes the time since the previous one."""
+
+    def __init__(self, base_url: str, fetch: Callable[[str], str] | None = None):
+        self.url = f"{base_url.rstrip('/')}/metrics"
+        self.fetch = fetch or (lambda url: urllib.request.urlopen(url, timeout=5).read().decode())
+        self._prev: list | None = None
+
+    def observe(self) -> Observation:
+        samples = parse_prometheus(self.fetch(self.url))
+        prev, self._prev = self._prev or [], samples
+        total = sum(v for n, _, v in samples if n == REQUESTS_TOTAL)
+        total_before = sum(v for n, _, v in prev if n == REQUESTS_TOTAL)
+        waiting = {s: sum(v for n, lab, v in samples if n == REQUESTS_WAITING and lab.get("service") == s)
+                   for s in ("gateway", "decode")}
+        return Observation(requests=int(total - total_before) if prev else 0,
+                           ttft_p90_s=histogram_p90(_buckets(samples, TTFT), _buckets(prev, TTFT)),
+                           itl_p90_s=histogram_p90(_buckets(samples, ITL), _buckets(prev, ITL)),
+                           prefill_waiting=waiting["gateway"], decode_waiting=waiting["decode"])
+
+
+class ProcessActuator:
+    """Local worker processes: `start(kind, name)` launches one (pdserve up's spawner) and returns it."""
+
+    def __init__(self, start: Callable[[str, str], subprocess.Popen], first_index: dict[str, int] | None = None):
+        self.start = start
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.next_index = dict(first_index or {})
+
+    def spawn(self, kind: str) -> str:
+        i = self.next_index.get(kind, 0)
+        self.next_index[kind] = i + 1
+        name = f"{kind}-{i}"
+        self.procs[name] = self.start(kind, name)
+        return name
+
+    def drain(self, kind: str, name: str) -> None:
+        proc = self.procs.get(name)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # the worker drains: no new jobs, finish, exit
+
+    def exited(self, name: str) -> bool:
+        proc = self.procs.get(name)
+        return proc is None or proc.poll() is not None
+
+
+class LiveAutoscaler:
+    """The loop in a thread: observe, decide, act, every `interval_s`, until `stop()`."""
+
+    def __init__(self, config: AutoscaleConfig, base_url: str, actuator: Actuator, initial: dict[str, list[str]],
+                 watcher: MetricsWatcher | None = None):
+        self.config = config
+        self.autoscaler = Autoscaler(config, actuator, initial)
+        self.watcher = watcher or MetricsWatcher(base_url)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="autoscale", daemon=True)
+
+    def start(self) -> LiveAutoscaler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        try:
+            self.watcher.observe()  # the baseline for the first interval's deltas
+        except OSError as exc:
+            log.warning("autoscale: first scrape failed (%s)", exc)
+        while not self._stop.wait(self.config.interval_s):
+            try:
+                obs = self.watcher.observe()
+            except OSError as exc:  # the gateway restarting: skip this interval, decide nothing blind
+                log.warning("autoscale: scrape failed (%s); skipping an interval", exc)
+                continue
+            self.autoscaler.step(obs)

@@ -1,0 +1,109 @@
+"""The planning study of BENCHMARKS.md: at 1,000-GPU scale, on a trace with the published shape of
+Mooncake's, how many GPUs does each way of deploying need to meet the same SLOs, and so what is
+each one's goodput per GPU?
+
+    planned      `pdserve plan`'s search: prefill and decode pools sized apart
+    static 1:1   disaggregated, as many prefill as decode workers (the smallest such pair that meets them)
+    colocated    every worker does both, chunked prefill (the smallest count that meets them)
+
+SLOs: TTFT and TPOT, each met by at least `attainment`% of requests and both together by that many
+too. The rate is chosen so the planned configuration lands near the GPU target. Searches run on the
+trace's first `search_s` seconds; each winner is then checked on the whole trace.
+
+    python -m services.planner.study --out study.json      (≈ 10–20 min on 2 cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from services.planner.plan import Planner, PlanSpec
+from shared.sim.cluster import ClusterConfig, simulate
+from shared.sim.cost import load_profile
+from shared.sim.workload import _trace_row, mooncake_shaped_trace
+
+log = logging.getLogger("pdserve.study")
+
+
+def trace(rate: float, duration_s: float, seed: int) -> list:
+    return [_trace_row(row, 1.0) for row in mooncake_shaped_trace(duration_s, rate, seed, period_s=duration_s)]
+
+
+def run_study(profile_path: str, rate: float, duration_s: float, search_s: float, slo_ttft_ms: float,
+              slo_tpot_ms: float, attainment: float, max_workers: int, seed: int = 0) -> dict[str, Any]:
+    profile = load_profile(profile_path)
+    gpw = profile.limits.gpus_per_worker
+    search = trace(rate, search_s, seed)
+    spec = PlanSpec(slo_ttft_ms, slo_tpot_ms, max_workers, modes=("disaggregated",), kv_path="network",
+                    attainment_pct=attainment)
+    planner = Planner(profile, spec, lambda: [replace(r) for r in search], slo_tpot_ms)
+    t0 = time.perf_counter()
+    found: dict[str, ClusterConfig | None] = {}
+    planned = planner.plan_disaggregated(None)
+    found["planned"] = planned.config if planned else None
+    base = ClusterConfig(mode="disaggregated", kv_path="network")
+    n = planner.smallest(lambda k: replace(base, prefill=k, decode=k), lambda t: t.meets(spec), max_workers // 2)
+    found["static 1:1"] = replace(base, prefill=n, decode=n) if n else None
+    colo = ClusterConfig(mode="colocated", kv_path="network")
+    n = planner.smallest(lambda k: replace(colo, decode=k), lambda t: t.meets(spec), max_workers)
+    found["colocated"] = replace(colo, decode=n) if n else None
+    search_wall = time.perf_counter() - t0
+    full = trace(rate, duration_s, seed)
+    rows = {}
+    for name, config in found.items():
+        if config is None:
+            rows[name] = None
+            continue
+        s = simulate(profile, config, [replace(r) for r in full], slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
+        gpus = config.num_workers * gpw
+        rows[name] = {"prefill": config.prefill if config.mode != "colocated" else 0, "decode": config.decode,
+                      "gpus": gpus, "requests": s["sent"], "request_goodput": s["goodput"]["request_goodput"],
+                      "goodput_per_gpu": s["goodput"]["request_goodput"] / gpus,
+                      "attainment_pct": s["goodput"]["attainment_pct"], "slo_attainment": s["slo_attainment"],
+                      "ttft_p90_ms": s["ttft_ms"]["p90"], "tpot_p90_ms": s["tpot_ms"]["p90"],
+                      "itl_p90_ms": s["itl_ms"]["p90"], "sim_wall_s": s["sim"]["wall_s"],
+                      "sim_requests_per_wall_s": s["sim"]["requests_per_wall_s"],
+                      "utilization": {k: v["utilization"] for k, v in s["cost"].items() if "utilization" in v}}
+        log.info("%s: %s", name, rows[name])
+    ratios = {}
+    if rows.get("planned"):
+        for other in ("static 1:1", "colocated"):
+            if rows.get(other):
+                ratios[f"planned_vs_{other}"] = rows["planned"]["goodput_per_gpu"] / rows[other]["goodput_per_gpu"]
+    return {"profile": profile_path, "profile_meta": profile.meta, "rate": rate, "duration_s": duration_s,
+            "search_s": search_s, "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms, "attainment_pct": attainment},
+            "rows": rows, "goodput_per_gpu_ratios": ratios, "simulations": len(planner.trials) + len(found),
+            "search_wall_s": search_wall}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.planner.study")
+    p.add_argument("--profile", default=str(Path(__file__).parents[2] / "shared/sim/profiles/"
+                                            "roofline-llama3-70b-tp8-h100.json"))
+    p.add_argument("--rate", type=float, default=240.0, help="mean req/s of the trace")
+    p.add_argument("--duration", type=float, default=3600.0)
+    p.add_argument("--search", type=float, default=240.0, help="seconds of the trace the searches use")
+    p.add_argument("--slo-ttft-ms", type=float, default=4000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=40.0)
+    p.add_argument("--attainment", type=float, default=95.0)
+    p.add_argument("--max-workers", type=int, default=250)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    result = run_study(args.profile, args.rate, args.duration, args.search, args.slo_ttft_ms, args.slo_tpot_ms,
+                       args.attainment, args.max_workers)
+    print(json.dumps(result["rows"], indent=1))
+    print(json.dumps(result["goodput_per_gpu_ratios"]))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

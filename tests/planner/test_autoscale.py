@@ -1,0 +1,163 @@
+"""The live planner's policy under a step change in load, driven by a simulated system (a fluid
+queueing model of the two pools, with workers that take an interval to start and two to drain)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.planner.autoscale import (
+    AutoscaleConfig, Autoscaler, MetricsWatcher, Observation, histogram_p90, parse_prometheus,
+)
+
+PREFILL_RATE, DECODE_RATE = 1.0, 1.5  # requests/s one worker of each pool serves
+
+
+class FakeCluster:
+    """Actuator + system: spawned workers serve from the next interval on; drained ones finish
+    their work for two intervals, then exit. Records every process's life for the assertions."""
+
+    def __init__(self, interval_s: float):
+        self.dt = interval_s
+        self.t = 0
+        self.alive: dict[str, dict] = {}
+        self.log: list[tuple[int, str, str]] = []
+        self.queue = {"prefill": 0.0, "decode": 0.0}
+        self.max_processes = 0
+        self.n = {"prefill": 0, "decode": 0}
+        for kind in ("prefill", "decode"):
+            self.spawn(kind)
+        for p in self.alive.values():
+            p["serving_from"] = 0
+
+    # Actuator
+    def spawn(self, kind: str) -> str:
+        name = f"{kind}-{self.n[kind]}"
+        self.n[kind] += 1
+        self.alive[name] = {"kind": kind, "serving_from": self.t + 1, "drain_at": None}
+        self.log.append((self.t, "spawn", name))
+        self.max_processes = max(self.max_processes, len(self.alive))
+        return name
+
+    def drain(self, kind: str, name: str) -> None:
+        assert self.alive[name]["drain_at"] is None
+        self.alive[name]["drain_at"] = self.t
+        self.log.append((self.t, "drain", name))
+
+    def exited(self, name: str) -> bool:
+        return name not in self.alive
+
+    # the system
+    def serving(self, kind: str) -> int:
+        return sum(1 for p in self.alive.values()
+                   if p["kind"] == kind and p["serving_from"] <= self.t and p["drain_at"] is None)
+
+    def interval(self, rate: float) -> Observation:
+        self.t += 1
+        for name in [n for n, p in self.alive.items() if p["drain_at"] is not None and self.t - p["drain_at"] >= 2]:
+            del self.alive[name]
+            self.log.append((self.t, "exit", name))
+        arrivals = rate * self.dt
+        ttft = itl = None
+        waiting = {}
+        for kind, mu, base, slope in (("prefill", PREFILL_RATE, 0.3, 1.0), ("decode", DECODE_RATE, 0.05, 1.0)):
+            cap = max(1, self.serving(kind)) * mu * self.dt
+            q = self.queue[kind] + arrivals
+            served = min(q, cap)
+            self.queue[kind] = q - served
+            rho = min(0.95, arrivals / cap) if cap else 0.95
+            latency = base / (1 - rho) + (self.queue[kind] / cap) * self.dt * slope
+            waiting[kind] = self.queue[kind]
+            if kind == "prefill":
+                ttft = latency if arrivals else None
+            else:
+                itl = latency if arrivals else None
+        return Observation(requests=int(arrivals), ttft_p90_s=ttft, itl_p90_s=itl,
+                           prefill_waiting=waiting["prefill"], decode_waiting=waiting["decode"])
+
+
+CONFIG = AutoscaleConfig(min_prefill=1, max_prefill=6, min_decode=1, max_decode=4, budget=8, interval_s=5.0,
+                         up_after=2, down_after=6, cooldown=2, slo_ttft_p90_s=2.0, slo_itl_p90_s=0.25)
+
+
+def _drive(config, load):
+    cluster = FakeCluster(config.interval_s)
+    scaler = Autoscaler(config, cluster, {"prefill": ["prefill-0"], "decode": ["decode-0"]})
+    history = []
+    for rate in load:
+        obs = cluster.interval(rate)
+        scaler.step(obs)
+        history.append((rate, scaler.count("prefill"), scaler.count("decode"), scaler.processes, obs))
+        assert scaler.processes <= config.budget  # draining processes included
+        assert len(cluster.alive) == scaler.processes
+    return cluster, scaler, history
+
+
+def test_step_up_steady_then_traffic_stops():
+    load = [0.5] * 10 + [3.0] * 60 + [0.0] * 60
+    cluster, scaler, history = _drive(CONFIG, load)
+    adds = [d for d in scaler.decisions if d.action == "add"]
+    # scales up within N intervals of the step (up_after hot intervals + one for the queue to show)
+    assert adds and adds[0].interval <= 10 + CONFIG.up_after + 1
+    # by the end of the high phase both SLOs are met with the pools it chose
+    _, p, d, _, obs = history[69]
+    assert obs.ttft_p90_s <= CONFIG.slo_ttft_p90_s and obs.itl_p90_s <= CONFIG.slo_itl_p90_s
+    assert p * PREFILL_RATE >= 3.0 and d * DECODE_RATE >= 3.0
+    # no oscillation under the constant load: the last 30 intervals of it change nothing
+    assert not [d for d in scaler.decisions if 40 < d.interval <= 70]
+    # traffic stops: down to the minimum, one drain at a time per pool
+    assert history[-1][1:3] == (CONFIG.min_prefill, CONFIG.min_decode)
+    assert scaler.processes == CONFIG.min_prefill + CONFIG.min_decode
+    # never a flip back and forth: per pool, all adds come before all drains
+    for kind in ("prefill", "decode"):
+        actions = [d.action for d in scaler.decisions if d.kind == kind]
+        assert actions == sorted(actions, key=lambda a: a == "drain"), actions
+
+
+def test_drains_before_removing_and_never_exceeds_the_budget():
+    tight = AutoscaleConfig(min_prefill=1, max_prefill=6, min_decode=1, max_decode=6, budget=5, interval_s=5.0,
+                            up_after=2, down_after=4, cooldown=1)
+    load = [8.0] * 30 + [0.0] * 30 + [8.0] * 30  # far more than 5 workers can serve, twice
+    cluster, scaler, history = _drive(tight, load)
+    assert cluster.max_processes <= 5
+    assert max(h[1] + h[2] for h in history) == 5  # it does use the whole budget
+    for t, event, name in cluster.log:
+        if event == "exit":  # every exit was preceded by a drain of that worker, two intervals before
+            drains = [tt for tt, e, n in cluster.log if e == "drain" and n == name]
+            assert drains and t - drains[0] >= 2
+    assert any(e == "exit" for _, e, _ in cluster.log)
+
+
+def test_constant_load_from_the_start_settles_and_stays():
+    cluster, scaler, history = _drive(CONFIG, [2.0] * 80)
+    late = [d for d in scaler.decisions if d.interval > 30]
+    assert not late, late
+    assert {(h[1], h[2]) for h in history[30:]} == {(history[-1][1], history[-1][2])}
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="budget"):
+        AutoscaleConfig(min_prefill=3, min_decode=3, budget=5)
+    with pytest.raises(ValueError, match="down_after"):
+        AutoscaleConfig(up_after=3, down_after=3)
+
+
+def test_metrics_watcher_reads_interval_percentiles_from_the_gateway_text():
+    def page(ttft_counts, total, waiting):
+        buckets = [0.1, 0.5, 1.0, 2.5]
+        lines = [f'pdserve_time_to_first_token_seconds_bucket{{le="{b}"}} {c}' for b, c in zip(buckets, ttft_counts)]
+        lines += [f'pdserve_time_to_first_token_seconds_bucket{{le="+Inf"}} {ttft_counts[-1]}',
+                  f'pdserve_requests_total{{status="ok"}} {total}',
+                  f'pdserve_requests_waiting{{service="gateway",instance="g"}} {waiting}',
+                  f'pdserve_requests_waiting{{service="decode",instance="d0"}} 1',
+                  "# HELP something", ]
+        return "\n".join(lines)
+
+    pages = iter([page([0, 0, 0, 0], 0, 0), page([5, 10, 10, 10], 10, 3), page([5, 10, 12, 30], 30, 0)])
+    watcher = MetricsWatcher("http://gw", fetch=lambda url: next(pages))
+    watcher.observe()
+    first = watcher.observe()
+    assert (first.requests, first.ttft_p90_s, first.prefill_waiting, first.decode_waiting) == (10, 0.5, 3, 1)
+    second = watcher.observe()  # 20 new observations: 2 ≤ 1.0 s, 18 in (1.0, 2.5]
+    assert second.requests == 20 and second.ttft_p90_s == 2.5 and second.itl_p90_s is None
+    assert histogram_p90({1.0: 0, float("inf"): 0}, {}) is None
+    assert parse_prometheus('a_b{x="1"} 2.5\nbad line') == [("a_b", {"x": "1"}, 2.5)]

@@ -1,0 +1,69 @@
+"""`pdserve plan` on a small synthetic profile: the answer meets the SLOs, fits the budget, and is
+the cheapest the search saw."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from services.planner.plan import Planner, PlanSpec
+from shared.sim.cost import DecodeFit, EngineLimits, LinearFit, PrefillFit, Profile, TransferFit
+from shared.sim.workload import poisson_requests
+
+PROFILE = Profile(
+    prefill=PrefillFit(base_s=0.01, per_token_s=2e-4, per_attn_pair_s=1e-8, per_seq_s=0.0),
+    decode=DecodeFit(base_s=0.01, per_seq_s=1e-3, per_ctx_token_s=2e-6),
+    transfer={"shm": TransferFit(LinearFit(1e-3, 1e-10), LinearFit(1e-3, 1e-10))},
+    limits=EngineLimits(num_kv_blocks=4096, max_num_seqs=32, max_num_batched_tokens=512),
+)
+
+
+def _planner(spec, name="long-doc", rate=6.0, n=150):
+    reqs = list(poisson_requests(name, rate, 0, num_requests=n, output_tokens=(16, 48)))
+    return Planner(PROFILE, spec, lambda: [replace(r) for r in reqs])
+
+
+def test_plan_meets_the_slos_within_the_budget_and_is_cheapest_seen():
+    spec = PlanSpec(slo_ttft_p90_ms=1500, slo_itl_p90_ms=40, budget=16)
+    planner = _planner(spec)
+    result = planner.plan()
+    rec = result["recommended"]
+    assert rec is not None, result["rejected"]
+    assert rec["workers"] <= 16 and rec["ttft_p90_ms"] <= 1500 and rec["itl_p90_ms"] <= 40
+    feasible = [t for t in planner.trials.values() if t.meets(spec) and t.workers <= spec.budget]
+    assert rec["workers"] == min(t.workers for t in feasible)
+    assert all(r["why_not"] for r in result["rejected"])
+    # long prompts, short answers: the plan's prefill pool is the bigger one
+    if rec["mode"] == "disaggregated":
+        assert rec["prefill"] >= rec["decode"]
+
+
+def test_plan_says_so_when_the_budget_is_too_small():
+    result = _planner(PlanSpec(slo_ttft_p90_ms=300, slo_itl_p90_ms=15, budget=3)).plan()
+    assert result["recommended"] is None
+    assert result["rejected"]
+
+
+def test_attainment_form_of_the_slos():
+    spec = PlanSpec(slo_ttft_p90_ms=1500, slo_itl_p90_ms=40, budget=16, modes=("disaggregated",),
+                    attainment_pct=95.0)
+    planner = _planner(spec)
+    t = planner.plan_disaggregated(None)
+    assert t is not None and t.summary["goodput"]["attainment_pct"] >= 95.0
+    with pytest.raises(ValueError):
+        PlanSpec(slo_ttft_p90_ms=0, slo_itl_p90_ms=40, budget=4)
+
+
+def test_plan_cli(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "plan", "--workload", "chat", "--duration", "40",
+                           "--request-rate", "0.3", "--slo-ttft-p90-ms", "5000", "--slo-itl-p90-ms", "1000",
+                           "--budget", "4", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "recommended:" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["recommended"]["workers"] <= 4

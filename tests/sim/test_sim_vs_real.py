@@ -1,0 +1,30 @@
+"""Simulator vs reality on this machine (the issue's acceptance check, small and bounded): a real
+`pdserve up` + `pdserve bench` against the simulator on a profile measured and calibrated in the
+same run — chat, long-doc and the interference mix, each at two loads. Every metric must be within
+15%; the whole table is printed (and logged) before the assertion, so a failure shows all of it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+TOLERANCE = 0.15
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_simulated_latencies_match_a_real_run(tmp_path):
+    from services.planner.accuracy import compare, format_table
+
+    result = compare()
+    table = format_table(result)
+    print("\nsim / real (error)\n" + table)
+    (tmp_path / "accuracy.json").write_text(json.dumps(result, indent=1))
+    if os.environ.get("PDSERVE_ACCURACY_OUT"):
+        with open(os.environ["PDSERVE_ACCURACY_OUT"], "w") as f:
+            json.dump(result, f, indent=1)
+    misses = [f"{row['case']} {key}: sim {v['sim']:.4g} vs real {v['real']:.4g} ({v['error']:+.0%})"
+              for row in result["rows"] for key, v in row.items() if key != "case" and abs(v["error"]) > TOLERANCE]
+    assert not misses, f"{len(misses)} metrics off by more than {TOLERANCE:.0%}:\n" + "\n".join(misses)
