@@ -41,8 +41,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers (colocated mode: engine workers)")
     p.add_argument("--model", default=env("PDSERVE_MODEL"))
-    p.add_argument("--dtype", default=env("PDSERVE_DTYPE", "bfloat16"))
-    p.add_argument("--quantization", default=env("PDSERVE_QUANTIZATION", "int8"))
+    p.add_argument("--dtype", default=env("PDSERVE_DTYPE", "float32"), help="activations (see `pdserve decode --help`)")
+    p.add_argument("--quantization", default=env("PDSERVE_QUANTIZATION", "auto"), choices=["auto", "none"])
+    p.add_argument("--kv-dtype", default=env("PDSERVE_KV_DTYPE", "bfloat16"), help="KV cache and KV block dtype")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per engine worker (default: the cores divided among them)")
     p.add_argument("--api-key", default=env("PDSERVE_API_KEY"))
@@ -117,6 +118,7 @@ def _start(stack: Stack, args: argparse.Namespace) -> None:
     from shared.model.hub import resolve_model_path
 
     model = str(resolve_model_path(args.model))  # pull the default model once, before the children start
+    _build_cpu_extension(args)
     nats_url, redis_url = args.nats, args.redis
     if nats_url is None:
         server = start_nats(workdir=stack.workdir / "nats", user=args.nats_user, password=args.nats_password,
@@ -134,7 +136,8 @@ def _start(stack: Stack, args: argparse.Namespace) -> None:
             auth += [flag, value]
     conn = ["--nats", nats_url, "--redis", redis_url, *auth]
     store = f"kv-up-{os.getpid()}"
-    model_args = ["--model", model, "--dtype", args.dtype, "--quantization", args.quantization]
+    model_args = ["--model", model, "--dtype", args.dtype, "--quantization", args.quantization,
+                  "--kv-dtype", args.kv_dtype]
     colocated = args.mode == "colocated"
     n_engines = args.decode + (0 if colocated else args.prefill)
     threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, n_engines))
@@ -143,7 +146,8 @@ def _start(stack: Stack, args: argparse.Namespace) -> None:
         worker.append("--kv-network")
     if not colocated:
         stack.spawn("kvstore", "services.kvstore",
-                    [*conn, *model_args[:4], "--store", store, "--num-slots", str(args.kv_slots)],
+                    [*conn, "--model", model, "--dtype", args.kv_dtype, "--store", store,
+                     "--num-slots", str(args.kv_slots)],
                     stage=STAGE_KVSTORE)
         for i in range(args.prefill):
             stack.spawn(f"prefill-{i}", "services.prefill", worker + ["--instance", f"prefill-{i}"],
@@ -157,6 +161,17 @@ def _start(stack: Stack, args: argparse.Namespace) -> None:
         gateway += ["--api-key", args.api_key]
     gateway += args.gateway_arg
     stack.spawn("gateway", "services.gateway", gateway, stage=STAGE_GATEWAY)
+
+
+def _build_cpu_extension(args: argparse.Namespace) -> None:
+    """Build (or load from its cache) the CPU kernels once, before the workers start, and say what
+    a cold start cost: the workers then load it in milliseconds instead of racing to build it."""
+    if args.quantization != "auto":
+        return
+    from shared.kernels import cpu_ext
+
+    if cpu_ext.load() is not None and cpu_ext.BUILD_SECONDS is not None:
+        log.info("cold start: compiled pdserve's CPU kernels in %.0f s (cached for later starts)", cpu_ext.BUILD_SECONDS)
 
 
 def wait_healthy(stack: Stack, url: str, timeout: float = 180.0) -> None:

@@ -32,9 +32,13 @@ def connection_fields(args: argparse.Namespace) -> dict:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=env("PDSERVE_MODEL"),
                    help="GGUF file or Hugging Face model directory (default: SmolLM2-135M-Instruct, pulled on demand)")
-    p.add_argument("--dtype", default=env("PDSERVE_DTYPE", "bfloat16"), help="bfloat16 | float32")
-    p.add_argument("--quantization", default=env("PDSERVE_QUANTIZATION", "int8"),
-                   help="int8 (weight-only int8 projections, the fast CPU default) | none")
+    p.add_argument("--dtype", default=env("PDSERVE_DTYPE", "float32"),
+                   help="activations: float32 (the CPU default) | bfloat16 (dense weights, e.g. on CUDA)")
+    p.add_argument("--quantization", default=env("PDSERVE_QUANTIZATION", "auto"), choices=["auto", "none"],
+                   help="auto: the checkpoint's own weight blocks (Q4_1, Q8_0) on pdserve's CPU kernel; "
+                        "none: dense weights in --dtype")
+    p.add_argument("--kv-dtype", default=env("PDSERVE_KV_DTYPE", "bfloat16"),
+                   help="KV cache dtype: bfloat16 | float16 | float32 (the kvstore must use the same)")
     p.add_argument("--device", default=env("PDSERVE_DEVICE", "cpu"))
     p.add_argument("--threads", type=int, default=int(env("PDSERVE_THREADS", "0")) or None,
                    help="torch intra-op threads")
@@ -48,7 +52,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
-        quantization=None if args.quantization in ("none", "") else args.quantization,
+        quantization=args.quantization, kv_cache_dtype=args.kv_dtype,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=not args.no_chunked_prefill, enable_prefix_caching=not args.no_prefix_caching,

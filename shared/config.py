@@ -23,11 +23,14 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 @dataclass
 class EngineConfig:
     model: str | None = None  # path, or None for the default model
-    dtype: str = "float32"
-    quantization: str | None = None  # "int8": weight-only int8 projections (needs dtype bfloat16 on CPU)
+    dtype: str = "float32"  # activations (and dense weights, with quantization "none")
+    # "auto": the checkpoint's own weight blocks on pdserve's CPU kernel (float32 activations);
+    # "none": dense weights in `dtype` (fp32: the exact evaluation of the file)
+    quantization: str = "auto"
+    kv_cache_dtype: str = "bfloat16"  # KV cache (and KV block) dtype
     device: str = "cpu"
     block_size: int = 16  # tokens per KV block (DESIGN.md contract)
-    num_kv_blocks: int = 2048  # SmolLM2-135M fp32: 720 KiB a block → 1.4 GiB, 32k tokens
+    num_kv_blocks: int = 2048  # SmolLM2-135M bf16: 360 KiB a block → 720 MiB, 32k tokens
     max_num_seqs: int = 64  # running sequences per step
     max_num_batched_tokens: int = 512  # tokens per forward pass (the chunked-prefill budget)
     enable_chunked_prefill: bool = True
@@ -37,8 +40,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"engine config: unknown quantization {self.quantization!r}; choose int8 or none")
+        parse_dtype(self.kv_cache_dtype)
+        if self.quantization not in ("auto", "none"):
+            raise ValueError(f"engine config: unknown quantization {self.quantization!r}; choose auto or none")
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"engine config: {name} must be positive, got {getattr(self, name)}")
@@ -48,6 +52,10 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        return parse_dtype(self.kv_cache_dtype)
 
 
 @dataclass(kw_only=True)

@@ -15,6 +15,30 @@ def tiny_config(**overrides) -> ModelConfig:
     return ModelConfig(**cfg)
 
 
+def blocks_model(model: LlamaModel, ggml_type: int) -> LlamaModel:
+    """`model` with every projection, the embedding and the (tied) head as checkpoint blocks of
+    `ggml_type` (Q4_1 / Q8_0 quantized the way llama.cpp writes them, or F32), on the CPU kernel."""
+    import numpy as np
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from shared.model.quant import F32, QuantLinear, QuantTensor
+
+    def blocks(w: torch.Tensor) -> QuantTensor:
+        if ggml_type == F32:
+            return QuantTensor.dense(w)
+        a = w.detach().float().numpy().astype(np.float32)
+        return QuantTensor.from_file_blocks(quantize(a, GGMLQuantizationType(ggml_type)), ggml_type, *a.shape)
+
+    for layer in model.layers:
+        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            setattr(parent, name, QuantLinear(blocks(getattr(parent, name).weight)))
+    model.embed_tokens = QuantLinear(blocks(model.embed_tokens.weight))
+    model.lm_head = model.embed_tokens
+    return model
+
+
 def tiny_model(seed: int = 0, **overrides) -> LlamaModel:
     torch.manual_seed(seed)
     model = LlamaModel(tiny_config(**overrides))
@@ -35,7 +59,7 @@ def contiguous_forward(model: LlamaModel, ids: list[int], cache: list[list[torch
                       for _ in range(cfg.num_layers)]
     T = len(ids)
     pos = torch.arange(start, start + T)
-    x = model.embed_tokens(torch.tensor(ids))
+    x = model.embed(torch.tensor(ids))
     group = cfg.num_heads // cfg.num_kv_heads
     for layer, kv in zip(model.layers, cache):
         attn = layer.self_attn

@@ -69,7 +69,7 @@ class LLMEngine:
             config = dataclasses.replace(config, max_num_batched_tokens=self.max_model_len)
             self.config = config
         self.kv_cache = KVCache(mcfg, config.num_kv_blocks, config.block_size,
-                                dtype=next(model.parameters()).dtype, device=config.device)
+                                dtype=config.torch_kv_dtype, device=config.device)
         self.pool = BlockPool(config.num_kv_blocks, config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.block_size, model_id or mcfg.name)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,

@@ -50,8 +50,8 @@ def write_kv_cache(
             raise ValueError(
                 f"{name} must be [T, {num_kv_heads}, {head_dim}] to match the cache, got {_shape(x)}"
             )
-        if x.dtype != k_cache.dtype:
-            raise ValueError(f"{name} is {x.dtype} but the cache is {k_cache.dtype}")
+        if not x.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating point tensor, got {x.dtype}")
         if x.stride(2) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim, got strides {x.stride()}")
     if k.shape[0] != v.shape[0]:
@@ -61,7 +61,7 @@ def write_kv_cache(
     if _pick_backend(backend, k) == "triton":
         from shared.kernels.triton_paged_attention import write_kv_cache_triton
 
-        write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+        write_kv_cache_triton(k.to(k_cache.dtype), v.to(k_cache.dtype), k_cache, v_cache, slot_mapping)
     else:
         write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping)
 
@@ -95,10 +95,13 @@ def paged_attention(
         raise ValueError(f"head_dim of q ({q.shape[2]}) != head_dim of the cache ({head_dim})")
     if q.shape[1] % num_kv_heads != 0:
         raise ValueError(f"Hq ({q.shape[1]}) must be a multiple of Hkv ({num_kv_heads}) for GQA")
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype}")
     if not q.dtype.is_floating_point:
         raise ValueError(f"q must be a floating point tensor, got {q.dtype}")
+    chosen = _pick_backend(backend, q)
+    # fp32 queries over a bf16/fp16 cache (the CPU path: keys and values are widened as they are read);
+    # the Triton kernel wants one dtype
+    if q.dtype != k_cache.dtype and (chosen == "triton" or q.dtype != torch.float32):
+        raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype}")
     if q.stride(2) != 1:
         raise ValueError(f"q must be contiguous in its last dim, got strides {q.stride()}")
     if block_tables.dim() != 2:
@@ -123,7 +126,7 @@ def paged_attention(
     )
 
     impl: PagedAttentionImpl = paged_attention_torch
-    if _pick_backend(backend, q) == "triton":
+    if chosen == "triton":
         from shared.kernels.triton_paged_attention import paged_attention_triton
 
         impl = paged_attention_triton

@@ -37,8 +37,8 @@ def write_kv_cache_torch(
     slots = slot_mapping[keep].long()  # boolean indexing syncs on GPU; the Triton writer does not
     blocks, offsets = slots // block_size, slots % block_size
     # index_put_ on the [num_blocks, block_size] dims writes through the strided view in place.
-    k_cache[blocks, offsets] = k[keep]
-    v_cache[blocks, offsets] = v[keep]
+    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
 
 
 def paged_attention_torch(
@@ -118,8 +118,9 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, starts, ctx_lens, seqs,
     tables = torch.where(used, tables, 0).flatten()  # [n * num_blocks]
     keys = num_blocks * block_size
     # [n * num_blocks, bs, Hkv, D] -> [n, keys, Hkv, D] -> [n, Hkv, keys, D] (strided view, no copy)
-    k = k_cache.index_select(0, tables).view(n, keys, num_kv_heads, head_dim).transpose(1, 2)
-    v = v_cache.index_select(0, tables).view(n, keys, num_kv_heads, head_dim).transpose(1, 2)
+    # (a bf16/fp16 cache under fp32 queries is widened here, as it is read)
+    k = k_cache.index_select(0, tables).to(q.dtype).view(n, keys, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, tables).to(q.dtype).view(n, keys, num_kv_heads, head_dim).transpose(1, 2)
     valid = torch.arange(keys, device=q.device) < lens[:, None]  # [n, keys]
 
     # GQA without copies: the `group` query heads of one kv head become that head's query rows,
@@ -147,8 +148,8 @@ def _prefill(
     num_blocks = -(-ctx_len // block_size)
     blocks = block_table[:num_blocks]
     # [num_blocks, bs, Hkv, D] -> [ctx, Hkv, D] -> [1, Hkv, ctx, D]
-    k = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx_len]
-    v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx_len]
+    k = k_cache.index_select(0, blocks).to(q.dtype).view(-1, num_kv_heads, head_dim)[:ctx_len]
+    v = v_cache.index_select(0, blocks).to(q.dtype).view(-1, num_kv_heads, head_dim)[:ctx_len]
     k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if q_len == ctx_len:
         mask, causal = None, True  # SDPA's causal mask is top-left aligned: right only without a prefix

@@ -94,6 +94,13 @@ class GGUFFile:
             infos[name] = TensorInfo(name, shape, ggml_type, start, nbytes)
         return infos
 
+    def raw(self, name: str) -> np.ndarray:
+        """The named tensor's bytes as stored (a read-only view of the mapped file), [rows, row bytes]."""
+        info = self.tensors[name]
+        data = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
+        return data.reshape(rows, -1)
+
     def dequantize(self, name: str) -> np.ndarray:
         """The named tensor as a writable float32 array of its logical shape."""
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType

@@ -23,7 +23,7 @@ from shared.kernels import paged_attention, write_kv_cache
 from shared.model.attention import AttentionMetadata
 from shared.model.config import ModelConfig
 from shared.model.loader import ModelLoadError, open_checkpoint
-from shared.model.quant import quantize_linears_int8
+from shared.model.quant import QuantLinear, QuantTensor
 
 log = logging.getLogger(__name__)
 
@@ -119,11 +119,22 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         # input_ids, positions: [T] → hidden states [T, D]
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         rot = self.rope.table(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, rot, attn, kv)
         return self.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # [T] → [T, D]
+        if isinstance(self.embed_tokens, QuantLinear):
+            return self.embed_tokens.lookup(input_ids)
+        return self.embed_tokens(input_ids)
+
+    @property
+    def uses_blocks(self) -> bool:
+        """True when the projections run on the checkpoint's blocks (the CPU kernel path)."""
+        return isinstance(self.layers[0].mlp.down_proj, QuantLinear)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -135,83 +146,105 @@ class LlamaModel(nn.Module):
     # ------------------------------------------------------------------------------ weight loading
 
     _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-    _FUSED = {  # HF name suffix → (our fused parameter, which slice)
-        "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0),
-        "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", 1),
-        "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", 2),
-        "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
-        "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
+    _FUSED = {  # HF name suffix → (our fused projection, which part)
+        "self_attn.q_proj.weight": ("self_attn.qkv_proj", 0),
+        "self_attn.k_proj.weight": ("self_attn.qkv_proj", 1),
+        "self_attn.v_proj.weight": ("self_attn.qkv_proj", 2),
+        "mlp.gate_proj.weight": ("mlp.gate_up_proj", 0),
+        "mlp.up_proj.weight": ("mlp.gate_up_proj", 1),
     }
+    _PROJECTIONS = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be filled."""
-        params = dict(self.named_parameters())
-        filled: set[str] = set()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantTensor]], blocks: bool = False) -> None:
+        """Fill the model from HF-named tensors, fusing q/k/v and gate/up; every weight must be given.
+
+        blocks=False: projections become dense parameters (dequantized, in the model's dtype).
+        blocks=True: they become `QuantLinear`s over the checkpoint's own blocks, and the embedding
+        is looked up from (and, when tied, the head multiplies by) the file's embedding blocks."""
         cfg = self.config
-        qkv_sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+        parts: dict[str, dict[int, QuantTensor]] = {}  # "layers.3.mlp.gate_up_proj" → {part: matrix}
+        dense: dict[str, torch.Tensor] = {}
         for hf_name, tensor in weights:
             m = self._LAYER.fullmatch(hf_name)
-            if m and m.group(2) in self._FUSED:
-                target, part = self._FUSED[m.group(2)]
-                name = f"layers.{m.group(1)}.{target}"
-                sizes = qkv_sizes if "qkv" in target else [cfg.intermediate_size] * 2
-                offset = sum(sizes[:part])
-                self._copy(params, name, tensor, rows=slice(offset, offset + sizes[part]))
-                filled.add(f"{name}#{part}")
+            if m and (m.group(2) in self._FUSED or m.group(2).removesuffix(".weight") in self._PROJECTIONS):
+                target, part = self._FUSED.get(m.group(2), (m.group(2).removesuffix(".weight"), 0))
+                parts.setdefault(f"layers.{m.group(1)}.{target}", {})[part] = _as_quant(tensor)
                 continue
             name = hf_name.removeprefix("model.")
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied checkpoints sometimes store it anyway
-            if name.endswith("rotary_emb.inv_freq"):
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                continue  # recomputed / tied checkpoints sometimes store the head anyway
+            if name in ("embed_tokens.weight", "lm_head.weight"):
+                parts[name.removesuffix(".weight")] = {0: _as_quant(tensor)}
                 continue
-            self._copy(params, name, tensor)
-            filled.add(name)
-        expected = set()
-        for name in params:
-            if name.endswith("qkv_proj.weight"):
-                expected |= {f"{name}#{i}" for i in range(3)}
-            elif name.endswith("gate_up_proj.weight"):
-                expected |= {f"{name}#{i}" for i in range(2)}
-            else:
-                expected.add(name)
-        missing = sorted(expected - filled)
+            dense[name] = tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()
+
+        expected = {f"layers.{i}.{proj}" for i in range(cfg.num_layers) for proj in self._PROJECTIONS}
+        expected |= {"embed_tokens"} | (set() if cfg.tie_word_embeddings else {"lm_head"})
+        missing = sorted(p for p in expected if p not in parts)
+        missing += sorted(f"{p} part {i}" for p in expected & parts.keys()
+                          for i in range(self._PROJECTIONS.get(p, 1)) if i not in parts[p])
+        params = dict(self.named_parameters())
+        unknown = sorted((set(parts) - expected) | (set(dense) - set(params)))
+        if unknown:
+            raise ModelLoadError(f"checkpoint tensor {unknown[0]!r} has no place in the Llama model")
+        missing += sorted(n for n in params if "norm" in n and n not in dense)
         if missing:
             raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 
+        for name, tensor in dense.items():
+            self._copy(params[name], name, tensor)
+        for name, by_part in parts.items():
+            matrix = QuantTensor.cat([by_part[i] for i in sorted(by_part)])
+            module = self.get_submodule(name)
+            expect = (module.num_embeddings, module.embedding_dim) if name == "embed_tokens" else \
+                (module.out_features, module.in_features)
+            if matrix.shape != expect:
+                raise ModelLoadError(f"checkpoint tensor {name!r} has shape {matrix.shape}, expected {expect}")
+            if blocks:
+                self.set_submodule(name, QuantLinear(matrix))
+            else:
+                self._copy(module.weight, name, matrix.dequantize())
+        if blocks and self.lm_head is None:  # tied: the head multiplies by the embedding's blocks
+            self.lm_head = self.embed_tokens
+
     @staticmethod
-    def _copy(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, rows: slice | None = None) -> None:
-        if name not in params:
-            raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the Llama model")
-        dst = params[name].data if rows is None else params[name].data[rows]
-        if dst.shape != tensor.shape:
-            raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+    def _copy(param: nn.Parameter, name: str, tensor: torch.Tensor) -> None:
+        if param.shape != tensor.shape:
+            raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
         with torch.no_grad():
-            dst.copy_(tensor)
+            param.data.copy_(tensor)
+
+
+def _as_quant(t: torch.Tensor | QuantTensor) -> QuantTensor:
+    return t if isinstance(t, QuantTensor) else QuantTensor.dense(t)
+
+
+QUANTIZATIONS = ("auto", "none")
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               quantization: str | None = None) -> LlamaModel:
-    """Build a LlamaModel from a GGUF file or HF directory, with weights in `dtype` on `device`.
+               quantization: str | None = "auto") -> LlamaModel:
+    """Build a LlamaModel from a GGUF file or HF directory.
 
-    quantization="int8": every projection (and the tied output head) becomes weight-only int8 with
-    `dtype` activations (bf16 on CPU); embeddings and norms stay in `dtype`."""
-    if quantization not in (None, "int8"):
-        raise ValueError(f"unknown quantization {quantization!r}; choose int8 or none")
+    quantization="auto" (CPU, float32 activations): every projection, the embedding and the head
+    keep the checkpoint's own blocks (Q4_1, Q8_0; anything else as fp32) and run on pdserve's
+    kernel. "none" (or another dtype/device): dense weights in `dtype` — fp32 is then the exact
+    evaluation of the file, the reference the fast path is tested against."""
+    quantization = quantization or "none"
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose {' or '.join(QUANTIZATIONS)}")
+    blocks = quantization == "auto" and torch.device(device).type == "cpu" and dtype == torch.float32
     ckpt = open_checkpoint(path)
     with torch.device("meta"):
         model = LlamaModel(ckpt.config)
     model = model.to_empty(device="cpu")
     # the rotary table is a non-persistent buffer: to_empty left it uninitialised, rebuild it
     model.rope = RotaryEmbedding(ckpt.config.head_dim, ckpt.config.max_model_len, ckpt.config.rope_theta)
-    model.load_weights(ckpt.tensors())
-    model = model.to(device=device, dtype=dtype)
+    model.load_weights(ckpt.tensors(), blocks=blocks)
+    if not blocks:
+        model = model.to(device=device, dtype=dtype)
     model.rope.float()  # the table stays fp32; it is cast per use
-    if quantization == "int8":
-        if model.lm_head is None:
-            model.lm_head = nn.Linear(ckpt.config.hidden_size, ckpt.config.vocab_size, bias=False, device=device)
-            model.lm_head.weight = model.embed_tokens.weight
-        quantize_linears_int8(model, act_dtype=dtype)
     model.eval()
-    log.info("loaded %s (%s, %s) as %s%s on %s", ckpt.config.name, ckpt.format, path, dtype,
-             " + int8 weights" if quantization else "", device)
+    log.info("loaded %s (%s, %s) on %s: %s", ckpt.config.name, ckpt.format, path, device,
+             "the file's weight blocks, fp32 activations" if blocks else f"dense {dtype}")
     return model

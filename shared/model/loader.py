@@ -1,11 +1,13 @@
 """Read Llama-architecture checkpoints from disk: GGUF files and Hugging Face safetensors directories.
 
-Both readers produce the same thing: a `ModelConfig` and an iterator of `(hf_name, fp32 tensor)` in
-Hugging Face's naming and layout (`model.layers.0.self_attn.q_proj.weight`, `[out, in]`). The model
-(`llama.py`) fuses and casts from there, so it never knows which format it came from.
+Both readers produce the same thing: a `ModelConfig` and an iterator of `(hf_name, tensor)` in
+Hugging Face's naming and layout (`model.layers.0.self_attn.q_proj.weight`, `[out, in]`). A tensor
+is an fp32 `torch.Tensor`, or, for a GGUF matrix in a block format pdserve's kernel multiplies
+directly (Q4_1, Q8_0), a `QuantTensor` holding the file's blocks untouched (`quant.py`). The model
+(`llama.py`) fuses from there, so it never knows which format it came from.
 
 GGUF specifics:
-- quantized tensors (Q4_1, Q8_0, …) are dequantized to fp32 with the `gguf` package;
+- other quantized tensors (Q6_K, …) are dequantized to fp32 with the `gguf` package;
 - llama.cpp's converter permutes the rows of Q and K from HF's "rotate half" rotary layout to its
   interleaved one; we undo that here so the model uses the HF layout for every checkpoint:
 
@@ -26,6 +28,7 @@ import torch
 from shared.model.config import ModelConfig
 from shared.model.gguf_file import GGUFError, GGUFFile
 from shared.model.hub import ModelNotFoundError
+from shared.model.quant import Q4_1, Q8_0, QuantTensor
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM",)
@@ -42,7 +45,7 @@ class Checkpoint:
     config: ModelConfig
     gguf: GGUFFile | None = None  # the parsed file, for GGUF checkpoints
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
         if self.gguf is not None:
             return _gguf_tensors(self.gguf, self.config)
         return _safetensors_tensors(self.path)
@@ -144,11 +147,19 @@ def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_tensors(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _gguf_tensors(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
     path = gguf.path
     for name, info in gguf.tensors.items():
         hf_name = _gguf_name_to_hf(name)
         if hf_name is None:
+            continue
+        if info.ggml_type in (Q4_1, Q8_0) and len(info.shape) == 2:
+            rows = gguf.raw(name)  # [out, in/32 * block bytes]: permuting rows never splits a block
+            if hf_name.endswith("q_proj.weight"):
+                rows = unpermute_rotary_rows(rows, config.num_heads)
+            elif hf_name.endswith("k_proj.weight"):
+                rows = unpermute_rotary_rows(rows, config.num_kv_heads)
+            yield hf_name, QuantTensor.from_file_blocks(rows, info.ggml_type, *info.shape)
             continue
         try:
             w = gguf.dequantize(name)

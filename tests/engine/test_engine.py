@@ -16,7 +16,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
 
 def make_engine(model=None, **cfg) -> LLMEngine:
     model = model or tiny_model()
-    config = EngineConfig(**({"num_kv_blocks": 64, "max_num_batched_tokens": 64} | cfg))
+    config = EngineConfig(**({"num_kv_blocks": 64, "max_num_batched_tokens": 64, "kv_cache_dtype": "float32"} | cfg))
     return LLMEngine(model, tokenizer=None, config=config, model_id="tiny")
 
 

@@ -14,15 +14,15 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def engine(default_gguf):
-    """fp32: exact enough that batch composition never flips a token."""
-    return LLMEngine.from_config(EngineConfig(model=str(default_gguf), num_kv_blocks=256, dtype="float32"))
+    """The default configuration: the file's weight blocks, the fused decode step."""
+    return LLMEngine.from_config(EngineConfig(model=str(default_gguf), num_kv_blocks=256))
 
 
 @pytest.fixture(scope="module")
-def fast_engine(default_gguf):
-    """The default CPU configuration: bf16 activations, int8 weights."""
-    return LLMEngine.from_config(EngineConfig(model=str(default_gguf), num_kv_blocks=256, dtype="bfloat16",
-                                              quantization="int8"))
+def exact_engine(default_gguf):
+    """fp32 dense weights and an fp32 KV cache: the exact evaluation of the file."""
+    return LLMEngine.from_config(EngineConfig(model=str(default_gguf), num_kv_blocks=256, quantization="none",
+                                              kv_cache_dtype="float32"))
 
 
 def chat_ids(engine, question: str) -> list[int]:
@@ -31,14 +31,11 @@ def chat_ids(engine, question: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
-@pytest.mark.parametrize("which, question", [
-    ("engine", "What is the capital of France?"),
-    # bf16 rounding flips this exact question's first token: fp32 ranks "The" over "L" by 0.08 of a
-    # logit (25.33 vs 25.24), and the bf16 answer starts "L'Étoile…". The fast configuration is
-    # checked on a question without such a near-tie.
-    ("fast_engine", "Which city is the capital of France?"),
-])
+@pytest.mark.parametrize("which", ["engine", "exact_engine"])
+@pytest.mark.parametrize("question", ["What is the capital of France?", "Which city is the capital of France?"])
 def test_capital_of_france(which, question, request):
+    """The README's own question: the default configuration answers it like the exact one (the old
+    bf16 + int8 default answered "L'Étoile…": fp32 ranks "The" over "L" by only 0.08 of a logit)."""
     engine = request.getfixturevalue(which)
     [out] = engine.generate([chat_ids(engine, question)], SamplingParams(temperature=0.0, max_tokens=32))
     assert "Paris" in out.text

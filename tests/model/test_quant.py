@@ -1,40 +1,92 @@
-"""Weight-only int8 projections."""
+"""Projections over the checkpoint's own weight blocks (Q4_1, Q8_0, F32) on the CPU kernel."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
-from shared.model.quant import Int8Linear, quantize_linears_int8
-from tests.model_utils import tiny_model
+from shared.kernels import cpu_ext
+from shared.model.quant import F32, Q4_1, Q8_0, QuantLinear, QuantTensor
+
+gguf_quants = pytest.importorskip("gguf.quants")
+from gguf.constants import GGMLQuantizationType  # noqa: E402
+
+needs_ext = pytest.mark.skipif(cpu_ext.load() is None, reason="the CPU extension needs AVX-512 VNNI")
 
 
-def test_int8_linear_matches_dequantized_matmul():
-    torch.manual_seed(0)
-    dense = torch.nn.Linear(64, 48, bias=False)
-    q = Int8Linear(dense.weight)
-    assert q.qweight.dtype == torch.int8 and q.scale.shape == (48,)
-    x = torch.randn(3, 5, 64, dtype=torch.bfloat16)
-    ref = x.float() @ q.weight.float().T
-    torch.testing.assert_close(q(x).float(), ref, atol=0.05, rtol=0.02)
-    # the error against the original weights: within half a quantization step of the stored scale
-    err = (q.weight - dense.weight).abs()
-    step = q.scale.float()[:, None]
-    assert (err <= step / 2 * (1 + 1e-5)).all()
-    assert err.mean() < step.mean() / 3
+def file_blocks(w: np.ndarray, ggml_type: int) -> QuantTensor:
+    """w quantized the way llama.cpp writes a GGUF, then laid out for the kernel."""
+    raw = gguf_quants.quantize(w, GGMLQuantizationType(ggml_type))
+    return QuantTensor.from_file_blocks(raw, ggml_type, *w.shape)
 
 
-def test_quantize_replaces_every_projection():
-    model = tiny_model()
-    n = quantize_linears_int8(model)
-    assert n == 4 * model.config.num_layers
-    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+def weights(n: int, k: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.1
 
 
-def test_large_batches_use_the_dense_matrix():
-    torch.manual_seed(1)
-    dense = torch.nn.Linear(64, 48, bias=False)
-    q = Int8Linear(dense.weight)
-    few = torch.randn(Int8Linear.DENSE_FROM_ROWS - 1, 64, dtype=torch.bfloat16)
-    many = torch.randn(Int8Linear.DENSE_FROM_ROWS, 64, dtype=torch.bfloat16)
-    torch.testing.assert_close(q(many), torch.nn.functional.linear(many, dense.weight.bfloat16()))
-    torch.testing.assert_close(q(few), torch._weight_int8pack_mm(few, q.qweight, q.scale))
+@pytest.mark.parametrize("ggml_type", [Q4_1, Q8_0])
+@pytest.mark.parametrize("k", [64, 96, 576])  # 96: an odd number of blocks (padded), 576: quads + a pair
+def test_dequantize_is_the_files_values(ggml_type, k):
+    w = weights(40, k)
+    raw = gguf_quants.quantize(w, GGMLQuantizationType(ggml_type))
+    ours = QuantTensor.from_file_blocks(raw, ggml_type, *w.shape).dequantize()
+    np.testing.assert_array_equal(ours.numpy(), gguf_quants.dequantize(raw, GGMLQuantizationType(ggml_type)))
+
+
+@needs_ext
+@pytest.mark.parametrize("ggml_type", [Q4_1, Q8_0, F32])
+@pytest.mark.parametrize("k", [64, 96, 576, 1536])
+def test_matmul_matches_the_dequantized_weights(ggml_type, k):
+    w = weights(70, k, seed=k)
+    t = QuantTensor.dense(torch.from_numpy(w)) if ggml_type == F32 else file_blocks(w, ggml_type)
+    layer = QuantLinear(t)
+    x = torch.randn(9, k)
+    ref = (x.double() @ t.dequantize().double().T).float()
+    out = layer(x)
+    # activations carried as two int8 digits: ~16 bits per block of 32, i.e. far inside bf16's error
+    err = (out - ref).abs().max() / ref.abs().max()
+    assert err < (1e-6 if ggml_type == F32 else 2e-4), err
+    bf16 = (x.bfloat16().double() @ t.dequantize().bfloat16().double().T).float()
+    assert (out - ref).abs().mean() < (bf16 - ref).abs().mean() / 10
+
+
+@needs_ext
+@pytest.mark.parametrize("ggml_type", [Q4_1, Q8_0, F32])
+def test_rows_are_computed_alike_in_any_batch(ggml_type):
+    """Batch invariance: a row's output is bit for bit the same alone, in a batch of any size, at any
+    position of it (tiles of 4 rows, the rest one at a time)."""
+    w = weights(33, 576, seed=3)
+    t = QuantTensor.dense(torch.from_numpy(w)) if ggml_type == F32 else file_blocks(w, ggml_type)
+    layer = QuantLinear(t)
+    x = torch.randn(11, 576)
+    whole = layer(x)
+    for i in range(11):
+        assert torch.equal(layer(x[i:i + 1])[0], whole[i])
+    assert torch.equal(layer(x[3:10]), whole[3:10])
+
+
+@needs_ext
+@pytest.mark.parametrize("ggml_type", [Q4_1, Q8_0])
+def test_lookup_returns_dequantized_rows(ggml_type):
+    t = file_blocks(weights(50, 128, seed=5), ggml_type)
+    layer = QuantLinear(t)
+    ids = torch.tensor([0, 7, 49, 7])
+    assert torch.equal(layer.lookup(ids), t.dequantize()[ids])
+
+
+def test_zero_rows_and_bad_shapes():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QuantTensor(torch.zeros(4, 48), F32, 4, 48)
+    with pytest.raises(ValueError, match="needs"):
+        QuantTensor(torch.zeros(10, dtype=torch.uint8), Q4_1, 4, 64)
+
+
+def test_mixed_types_concatenate_dense():
+    w = weights(8, 64)
+    a, b = file_blocks(w, Q4_1), file_blocks(w, Q8_0)
+    both = QuantTensor.cat([a, b])
+    assert both.type == F32 and both.shape == (16, 64)
+    assert torch.equal(both.dequantize()[:8], a.dequantize())
+    same = QuantTensor.cat([a, a])
+    assert same.type == Q4_1 and torch.equal(same.dequantize()[8:], a.dequantize())

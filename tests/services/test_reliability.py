@@ -28,8 +28,8 @@ COMPLETION = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4}
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
     """A stack with every credential on: NATS user/password, a Valkey password, an API key. The
-    fast default precision (bf16 + int8): these tests check lifetimes and errors, not exact text."""
-    stack, url = up(tmp_path_factory, "--dtype", "bfloat16", "--quantization", "int8",
+    default configuration: these tests check lifetimes and errors, not exact text."""
+    stack, url = up(tmp_path_factory,
                     "--nats-user", "pd", "--nats-password", "nats-secret", "--redis-password", "valkey-secret",
                     "--api-key", API_KEY, "--gateway-arg=--default-max-tokens=8")
     yield stack, url
@@ -278,7 +278,7 @@ def test_nats_restart_mid_load_nothing_hangs_and_service_resumes(tmp_path_factor
     """NATS goes away for 3 s while 8 streams decode and more requests arrive: every request
     ends (completed, or an error event) within its bounds; the services reconnect by themselves;
     new requests succeed; no block stays in use."""
-    stack, url = up(tmp_path_factory, "--dtype", "bfloat16", "--quantization", "int8",
+    stack, url = up(tmp_path_factory,
                     "--gateway-arg=--inactivity-timeout=15", "--worker-arg=--lease-ttl=10")
     try:
         nats_server = stack.servers[0]
@@ -319,7 +319,7 @@ def test_valkey_flushed_then_restarted_mid_load(tmp_path_factory):
     stream completes, the registry refills from heartbeats, new requests succeed."""
     import redis
 
-    stack, url = up(tmp_path_factory, "--dtype", "bfloat16", "--quantization", "int8")
+    stack, url = up(tmp_path_factory)
     try:
         valkey_server = stack.servers[1]
         prompts = [f"Write a poem about river number {i}." for i in range(8)]

@@ -1,0 +1,422 @@
+// The whole decode step of a Llama model in one C++ call, and the quantized matmul for the torch
+// path. Why: at batch 1 this model's step is ~300 small ops (30 layers x ~10); from Python each
+// costs microseconds of dispatch, so the eager step was bound by overhead, not by reading weights.
+// Here one OpenMP team runs the step, with a barrier between dependent phases:
+//
+//   embed -> for each layer: rmsnorm -> qkv -> rotary + KV write -> paged attention (split over
+//   positions, merged by log-sum-exp) -> o_proj + residual -> rmsnorm -> gate|up -> silu*mul
+//   -> down + residual -> final rmsnorm -> head
+//
+// Activations are fp32; weights are the checkpoint's blocks (quant_matmul.h); the KV cache is
+// fp32, bf16 or fp16. Every per-sequence result is computed the same way whatever else is in the
+// batch (no reduction crosses sequences), so a sequence's tokens do not depend on its batch.
+#include <immintrin.h>
+#include <omp.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <vector>
+
+#include "quant_matmul.h"
+
+namespace pdserve {
+namespace {
+
+constexpr int64_t kColChunk = 16;   // output columns per work item of a matmul (one vector: see silu)
+constexpr int64_t kPosChunk = 256;  // cache positions per attention work item
+
+// exp(x) for 16 lanes: Cody-Waite range reduction + degree-6 polynomial, ~1 ulp on [-87, 88].
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16 cache values -> fp32
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <typename T>
+inline void store_cache(T* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; i++) dst[i] = static_cast<T>(src[i]);
+}
+
+void rmsnorm_row(const float* x, const float* w, float* out, int64_t d, float eps) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(d) + eps);
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < d; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), s), _mm512_loadu_ps(w + i)));
+}
+
+QuantWeight as_weight(const torch::Tensor& t, int64_t type, int64_t n, int64_t k) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "weight must be a contiguous CPU tensor");
+  TORCH_CHECK(k % 32 == 0, "in_features must be a multiple of 32, got ", k);
+  const int64_t bytes = weight_bytes(static_cast<int>(type), n, k);
+  TORCH_CHECK(t.nbytes() == static_cast<size_t>(bytes), "weight of type ", type, " [", n, ", ", k, "] needs ", bytes,
+              " bytes, got ", t.nbytes());
+  if (type == kF32) TORCH_CHECK(t.scalar_type() == torch::kFloat32, "an F32 weight must be float32");
+  return make_weight(t.data_ptr(), static_cast<int>(type), n, k);
+}
+
+}  // namespace
+
+// A weight matrix in checkpoint blocks; keeps its tensor alive.
+struct Weight {
+  torch::Tensor tensor;
+  QuantWeight w;
+  Weight(torch::Tensor t, int64_t type, int64_t n, int64_t k) : tensor(std::move(t)), w(as_weight(tensor, type, n, k)) {}
+};
+
+// x [M, K] fp32 -> [M, N] fp32, rows prepared and columns split across the OpenMP team
+torch::Tensor matmul(const torch::Tensor& x, const Weight& weight) {
+  const QuantWeight& w = weight.w;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.k && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
+              "x must be [M, ", w.k, "] float32 with unit stride in its last dim");
+  const int64_t M = x.size(0);
+  auto y = torch::empty({M, w.n}, x.options());
+  PreparedX px;
+  prepare_resize(px, w.type, M, w.k, x.data_ptr<float>(), x.stride(0));
+  float* yp = y.data_ptr<float>();
+  const int64_t chunks = (w.n + kColChunk - 1) / kColChunk;
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) prepare_rows(px, m, m + 1);
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < chunks; c++) matmul_cols(w, px, yp, w.n, c * kColChunk, std::min(w.n, (c + 1) * kColChunk));
+  }
+  return y;
+}
+
+torch::Tensor embed(const torch::Tensor& ids, const Weight& weight) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kInt64 && ids.is_contiguous(), "ids must be [T] int64");
+  auto out = torch::empty({ids.size(0), weight.w.k}, torch::dtype(torch::kFloat32));
+  const int64_t* p = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < ids.size(0); t++)
+    TORCH_CHECK(p[t] >= 0 && p[t] < weight.w.n, "token id ", p[t], " out of range [0, ", weight.w.n, ")");
+  dequantize_rows(weight.w, p, ids.size(0), out.data_ptr<float>());
+  return out;
+}
+
+struct LayerWeights {
+  Weight qkv, o, gate_up, down;
+  torch::Tensor attn_norm, mlp_norm;  // [D] fp32
+};
+
+class DecodeModel {
+ public:
+  DecodeModel(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, std::vector<Weight> linears,
+              std::vector<torch::Tensor> norms, Weight embed_w, Weight head_w, torch::Tensor final_norm,
+              torch::Tensor cos, torch::Tensor sin)
+      : hq_(num_heads), hkv_(num_kv_heads), dh_(head_dim), eps_(static_cast<float>(eps)), embed_(std::move(embed_w)),
+        head_(std::move(head_w)), final_norm_(final_norm.contiguous()), cos_(cos.contiguous()), sin_(sin.contiguous()) {
+    TORCH_CHECK(linears.size() % 4 == 0 && norms.size() == linears.size() / 2, "4 linears and 2 norms per layer");
+    TORCH_CHECK(head_dim % 16 == 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= 16,
+                "head_dim must be a multiple of 16, and at most 16 query heads per kv head");
+    for (size_t l = 0; l < linears.size() / 4; l++)
+      layers_.push_back({linears[4 * l], linears[4 * l + 1], linears[4 * l + 2], linears[4 * l + 3],
+                         norms[2 * l].contiguous(), norms[2 * l + 1].contiguous()});
+    for (const LayerWeights& lw : layers_)
+      TORCH_CHECK(lw.qkv.w.type == layers_[0].qkv.w.type && lw.o.w.type == layers_[0].o.w.type &&
+                      lw.gate_up.w.type == layers_[0].gate_up.w.type && lw.down.w.type == layers_[0].down.w.type,
+                  "each projection must have one weight type across layers");
+    TORCH_CHECK(head_dim <= 256, "head_dim must be at most 256");
+    d_ = embed_.w.k;
+    f_ = layers_.at(0).gate_up.w.n / 2;
+    TORCH_CHECK(cos_.size(1) == dh_ / 2 && cos_.scalar_type() == torch::kFloat32, "rotary table must be [P, Dh/2] fp32");
+  }
+
+  // One decode token per sequence. kv: [num_blocks, L, 2, block_size, Hkv, Dh]. Returns logits [B, V] fp32.
+  torch::Tensor step(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& slots,
+                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens, const torch::Tensor& kv) {
+    const int64_t B = ids.size(0);
+    TORCH_CHECK(positions.size(0) == B && slots.size(0) == B && seq_lens.size(0) == B && block_tables.size(0) == B,
+                "ids, positions, slots, seq_lens and block_tables must agree on the batch size");
+    TORCH_CHECK(kv.dim() == 6 && kv.is_contiguous() && kv.size(1) == static_cast<int64_t>(layers_.size()) &&
+                    kv.size(4) == hkv_ && kv.size(5) == dh_, "kv cache must be [blocks, L, 2, bs, Hkv, Dh], contiguous");
+    TORCH_CHECK(positions.scalar_type() == torch::kInt64 && slots.scalar_type() == torch::kInt64 &&
+                    block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
+                "positions/slots int64, block_tables/seq_lens int32");
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int32_t* lens = seq_lens.data_ptr<int32_t>();
+    for (int64_t b = 0; b < B; b++)
+      TORCH_CHECK(lens[b] == pos[b] + 1 && pos[b] < cos_.size(0) &&
+                      (lens[b] + kv.size(3) - 1) / kv.size(3) <= block_tables.size(1),
+                  "sequence ", b, ": seq_len must be position + 1, within the rotary table and its block table");
+    auto logits = torch::empty({B, head_.w.n}, torch::dtype(torch::kFloat32));
+    if (B == 0) return logits;
+    switch (kv.scalar_type()) {
+      case torch::kFloat32: run<float>(ids, positions, slots, block_tables, seq_lens, kv, logits); break;
+      case torch::kBFloat16: run<c10::BFloat16>(ids, positions, slots, block_tables, seq_lens, kv, logits); break;
+      case torch::kHalf: run<c10::Half>(ids, positions, slots, block_tables, seq_lens, kv, logits); break;
+      default: TORCH_CHECK(false, "kv cache dtype must be float32, bfloat16 or float16");
+    }
+    return logits;
+  }
+
+ private:
+  struct Unit {  // attention work item: positions [t0, t1) of one kv head of one sequence
+    int64_t b, h, t0, t1;
+  };
+
+  template <typename T>
+  void run(const torch::Tensor& ids_t, const torch::Tensor& pos_t, const torch::Tensor& slots_t,
+           const torch::Tensor& tables_t, const torch::Tensor& lens_t, const torch::Tensor& kv, torch::Tensor& logits) {
+    const int64_t B = ids_t.size(0), D = d_, F = f_, G = hq_ / hkv_, Dh = dh_;
+    const int64_t q_size = hq_ * Dh, kv_size = hkv_ * Dh, qkv_n = q_size + 2 * kv_size;
+    const int64_t L = static_cast<int64_t>(layers_.size()), bs = kv.size(3);
+    const int64_t s_block = kv.stride(0), s_layer = kv.stride(1), s_kv = kv.stride(2);
+    const int64_t* pos = pos_t.data_ptr<int64_t>();
+    const int64_t* slots = slots_t.data_ptr<int64_t>();
+    const int32_t* tables = tables_t.data_ptr<int32_t>();
+    const int64_t tstride = tables_t.stride(0);
+    const int32_t* lens = lens_t.data_ptr<int32_t>();
+    T* cache = kv.data_ptr<T>();
+    const float* cosp = cos_.data_ptr<float>();
+    const float* sinp = sin_.data_ptr<float>();
+
+    // attention work items, and for each (sequence, kv head) the first of its items
+    std::vector<Unit> units;
+    std::vector<int64_t> first(B * hkv_ + 1);
+    for (int64_t b = 0; b < B; b++)
+      for (int64_t h = 0; h < hkv_; h++) {
+        first[b * hkv_ + h] = static_cast<int64_t>(units.size());
+        for (int64_t t0 = 0; t0 < lens[b]; t0 += kPosChunk) units.push_back({b, h, t0, std::min<int64_t>(lens[b], t0 + kPosChunk)});
+      }
+    const int64_t U = static_cast<int64_t>(units.size()), part = G * (Dh + 2);  // per unit: G x (max, sum, o[Dh])
+    first[B * hkv_] = U;
+
+    auto f32 = torch::dtype(torch::kFloat32);
+    torch::Tensor x_t = embed(ids_t, embed_);
+    auto h_t = torch::empty({B, D}, f32), qkv_t = torch::empty({B, qkv_n}, f32), attn_t = torch::empty({B, q_size}, f32);
+    auto tmp_t = torch::empty({B, D}, f32), act_t = torch::empty({B, F}, f32), part_t = torch::empty({U, part}, f32);
+    const int nthreads = at::get_num_threads();
+    auto scores_t = torch::empty({nthreads, G, kPosChunk + Dh}, f32), gu_all = torch::empty({nthreads, B, 2 * kColChunk}, f32);
+    float *x = x_t.data_ptr<float>(), *h = h_t.data_ptr<float>(), *qkv = qkv_t.data_ptr<float>();
+    float *attn = attn_t.data_ptr<float>(), *tmp = tmp_t.data_ptr<float>(), *act = act_t.data_ptr<float>();
+    float *parts = part_t.data_ptr<float>(), *scores_all = scores_t.data_ptr<float>(), *gu_buf = gu_all.data_ptr<float>();
+    float* out = logits.data_ptr<float>();
+    const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
+    const float* fnorm = final_norm_.data_ptr<float>();
+    const LayerWeights& l0 = layers_[0];
+    prepare_resize(px_qkv_, l0.qkv.w.type, B, D, h, D);
+    prepare_resize(px_o_, l0.o.w.type, B, q_size, attn, q_size);
+    prepare_resize(px_gu_, l0.gate_up.w.type, B, D, h, D);
+    prepare_resize(px_down_, l0.down.w.type, B, F, act, F);
+    prepare_resize(px_head_, head_.w.type, B, D, h, D);
+
+#pragma omp parallel num_threads(nthreads)
+    {
+      const int tid = omp_get_thread_num();
+      float* scores = scores_all + tid * G * (kPosChunk + Dh);
+      float* qrot = scores + G * kPosChunk;  // [G * Dh] rotated queries of the unit in hand
+      float* gu = gu_buf + tid * B * 2 * kColChunk;
+      for (int64_t l = 0; l < L; l++) {
+        const LayerWeights& lw = layers_[l];
+        const float* an = lw.attn_norm.data_ptr<float>();
+        const float* mn = lw.mlp_norm.data_ptr<float>();
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+          rmsnorm_row(x + b * D, an, h + b * D, D, eps_);
+          prepare_rows(px_qkv_, b, b + 1);
+        }
+        columns(lw.qkv.w, px_qkv_, qkv, qkv_n, nullptr);
+        // attention partials: each unit rotates its sequence's queries; the unit holding the new
+        // position also rotates the new key and writes the key and value to their slot first
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < U; u++) {
+          const Unit& un = units[u];
+          const float* row = qkv + un.b * qkv_n;
+          const float* c = cosp + pos[un.b] * (Dh / 2);
+          const float* sn = sinp + pos[un.b] * (Dh / 2);
+          for (int64_t g = 0; g < G; g++) rotate(row + (un.h * G + g) * Dh, c, sn, qrot + g * Dh, Dh);
+          if (un.t1 == lens[un.b]) {
+            float krot[256];
+            rotate(row + q_size + un.h * Dh, c, sn, krot, Dh);
+            T* slot = cache + (slots[un.b] / bs) * s_block + l * s_layer + (slots[un.b] % bs) * kv_size + un.h * Dh;
+            store_cache(slot, krot, Dh);
+            store_cache(slot + s_kv, row + q_size + kv_size + un.h * Dh, Dh);
+          }
+          attend_unit(un, qrot, tables + un.b * tstride, cache + l * s_layer, s_block, s_kv, bs, kv_size, scale, scores,
+                      parts + u * part);
+        }
+        // merge the partials of each (sequence, kv head), in position order
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < B * hkv_; bh++)
+          merge(parts, part, first[bh], first[bh + 1], attn + (bh / hkv_) * q_size + (bh % hkv_) * G * Dh, G);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) prepare_rows(px_o_, b, b + 1);
+        columns(lw.o.w, px_o_, tmp, D, x);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+          rmsnorm_row(x + b * D, mn, h + b * D, D, eps_);
+          prepare_rows(px_gu_, b, b + 1);
+        }
+        // gate|up for a chunk of columns, then silu(gate) * up for that chunk
+#pragma omp for schedule(static)
+        for (int64_t c0 = 0; c0 < F; c0 += kColChunk) {
+          const int64_t c1 = std::min(F, c0 + kColChunk), w = c1 - c0;
+          matmul_cols(lw.gate_up.w, px_gu_, gu - c0, 2 * kColChunk, c0, c1);
+          matmul_cols(lw.gate_up.w, px_gu_, gu + kColChunk - (F + c0), 2 * kColChunk, F + c0, F + c1);
+          for (int64_t b = 0; b < B; b++) {
+            const float* g = gu + b * 2 * kColChunk;
+            float* a = act + b * F + c0;
+            if (w == 16) {  // silu(g) * up = g * up / (1 + exp(-g))
+              const __m512 gv = _mm512_loadu_ps(g);
+              const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+              _mm512_storeu_ps(a, _mm512_div_ps(_mm512_mul_ps(gv, _mm512_loadu_ps(g + kColChunk)), den));
+            } else {
+              for (int64_t i = 0; i < w; i++) a[i] = g[i] * g[kColChunk + i] / (1.0f + std::exp(-g[i]));
+            }
+          }
+        }
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) prepare_rows(px_down_, b, b + 1);
+        columns(lw.down.w, px_down_, tmp, D, x);
+      }
+#pragma omp for schedule(static)
+      for (int64_t b = 0; b < B; b++) {
+        rmsnorm_row(x + b * D, fnorm, h + b * D, D, eps_);
+        prepare_rows(px_head_, b, b + 1);
+      }
+      columns(head_.w, px_head_, out, head_.w.n, nullptr);
+    }
+  }
+
+  // y = x @ w^T over column chunks split across the team (ends in a barrier); with `residual`,
+  // each chunk is also added into residual[:, chunk] (y is then scratch).
+  static void columns(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, float* residual) {
+    const int64_t chunks = (w.n + kColChunk - 1) / kColChunk;
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+      const int64_t n0 = c * kColChunk, n1 = std::min(w.n, n0 + kColChunk);
+      matmul_cols(w, px, y, ldy, n0, n1);
+      if (residual != nullptr)
+        for (int64_t m = 0; m < px.M; m++)
+          for (int64_t n = n0; n < n1; n++) residual[m * ldy + n] += y[m * ldy + n];
+    }
+  }
+
+  // rotate-half rotary: pairs (i, i + Dh/2) turn by the position's angle
+  static void rotate(const float* v, const float* c, const float* s, float* out, int64_t Dh) {
+    for (int64_t i = 0; i < Dh / 2; i++) {
+      const float x1 = v[i], x2 = v[i + Dh / 2];
+      out[i] = x1 * c[i] - x2 * s[i];
+      out[i + Dh / 2] = x2 * c[i] + x1 * s[i];
+    }
+  }
+
+  // softmax over the unit's positions for its G query heads: writes (max, sum, unnormalised o) per head
+  template <typename T>
+  void attend_unit(const Unit& un, const float* q, const int32_t* table, const T* layer_cache, int64_t s_block,
+                   int64_t s_kv, int64_t bs, int64_t kv_size, float scale, float* scores, float* pr) const {
+    const int64_t G = hq_ / hkv_, Dh = dh_, n = un.t1 - un.t0;
+    float mx[16];
+    for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
+    for (int64_t t = 0; t < n; t++) {
+      const int64_t p = un.t0 + t;
+      const T* k = layer_cache + table[p / bs] * s_block + (p % bs) * kv_size + un.h * Dh;
+      for (int64_t g = 0; g < G; g++) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < Dh; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * Dh + i), load16(k + i), acc);
+        const float sc = _mm512_reduce_add_ps(acc) * scale;
+        scores[g * kPosChunk + t] = sc;
+        mx[g] = std::max(mx[g], sc);
+      }
+    }
+    for (int64_t g = 0; g < G; g++) {
+      float* sg = scores + g * kPosChunk;
+      const __m512 m = _mm512_set1_ps(mx[g]);
+      __m512 sum = _mm512_setzero_ps();
+      int64_t t = 0;
+      for (; t + 16 <= n; t += 16) {
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
+        _mm512_storeu_ps(sg + t, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      float tail = 0.0f;
+      for (; t < n; t++) {
+        sg[t] = std::exp(sg[t] - mx[g]);
+        tail += sg[t];
+      }
+      pr[g * (Dh + 2)] = mx[g];
+      pr[g * (Dh + 2) + 1] = _mm512_reduce_add_ps(sum) + tail;
+      for (int64_t i = 0; i < Dh; i++) pr[g * (Dh + 2) + 2 + i] = 0.0f;
+    }
+    for (int64_t t = 0; t < n; t++) {
+      const int64_t p = un.t0 + t;
+      const T* v = layer_cache + table[p / bs] * s_block + s_kv + (p % bs) * kv_size + un.h * Dh;
+      for (int64_t i = 0; i < Dh; i += 16) {
+        const __m512 vv = load16(v + i);
+        for (int64_t g = 0; g < G; g++) {
+          float* o = pr + g * (Dh + 2) + 2 + i;
+          _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * kPosChunk + t]), vv, _mm512_loadu_ps(o)));
+        }
+      }
+    }
+  }
+
+  // o = sum_u e^(m_u - M) o_u / sum_u e^(m_u - M) l_u over the units [u0, u1) of one (sequence, kv head)
+  void merge(const float* parts, int64_t part, int64_t u0, int64_t u1, float* o, int64_t G) const {
+    const int64_t Dh = dh_;
+    for (int64_t g = 0; g < G; g++) {
+      float m = -INFINITY, sum = 0.0f;
+      for (int64_t u = u0; u < u1; u++) m = std::max(m, parts[u * part + g * (Dh + 2)]);
+      float* og = o + g * Dh;
+      for (int64_t i = 0; i < Dh; i++) og[i] = 0.0f;
+      for (int64_t u = u0; u < u1; u++) {
+        const float* pr = parts + u * part + g * (Dh + 2);
+        const float w = std::exp(pr[0] - m);
+        sum += w * pr[1];
+        for (int64_t i = 0; i < Dh; i++) og[i] += w * pr[2 + i];
+      }
+      for (int64_t i = 0; i < Dh; i++) og[i] /= sum;
+    }
+  }
+
+  int64_t hq_, hkv_, dh_, d_ = 0, f_ = 0;
+  PreparedX px_qkv_, px_o_, px_gu_, px_down_, px_head_;  // activations in digit form (one step at a time)
+  float eps_;
+  std::vector<LayerWeights> layers_;
+  Weight embed_, head_;
+  torch::Tensor final_norm_, cos_, sin_;
+};
+
+}  // namespace pdserve
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace pdserve;
+  py::class_<Weight>(m, "Weight")
+      .def(py::init<torch::Tensor, int64_t, int64_t, int64_t>(), py::arg("tensor"), py::arg("type"), py::arg("n"), py::arg("k"))
+      .def_property_readonly("n", [](const Weight& w) { return w.w.n; })
+      .def_property_readonly("k", [](const Weight& w) { return w.w.k; })
+      .def_property_readonly("type", [](const Weight& w) { return w.w.type; })
+      .def_property_readonly("tensor", [](const Weight& w) { return w.tensor; });
+  m.def("matmul", &matmul, "x [M, K] fp32 @ weight^T -> [M, N] fp32", py::call_guard<py::gil_scoped_release>());
+  m.def("embed", &embed, "rows of a weight, dequantized to fp32");
+  py::class_<DecodeModel>(m, "DecodeModel")
+      .def(py::init<int64_t, int64_t, int64_t, double, std::vector<Weight>, std::vector<torch::Tensor>, Weight, Weight,
+                    torch::Tensor, torch::Tensor, torch::Tensor>())
+      .def("step", &DecodeModel::step, py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,351 @@
+// See quant_matmul.h. AVX-512 F/BW/VL + VNNI, and F16C for the fp16 block scales.
+#include "quant_matmul.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace pdserve {
+
+namespace {
+
+// Q4_1 codes are read 4 blocks (one zmm) at a time, then a last pair (one ymm); within a group of
+// g blocks the digits are laid out to match the nibbles:  [x[0:16] of each block | x[16:32] of each block].
+// Q8_0 codes are read 2 blocks (one zmm) at a time; digits in natural order.
+constexpr int kLanesQ4 = 4;  // int32 lanes per block after vpdpbusd (16 bytes of a block per half)
+constexpr int kLanesQ8 = 8;
+
+int64_t padded_blocks(int64_t k) { return (k / 32 + 1) / 2 * 2; }
+
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Two fp16 scales -> [a x L, b x L] over the lanes of an L*2-lane vector
+inline __m512 scales2x8(const uint16_t* d) {
+  uint32_t two;
+  __builtin_memcpy(&two, d, 4);
+  const __m128 ab = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
+  return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), _mm512_castps128_ps512(ab));
+}
+inline __m512 scales4x4(const uint16_t* d) {
+  const __m128 abcd = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(d)));
+  return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), _mm512_castps128_ps512(abcd));
+}
+inline __m256 scales2x4(const uint16_t* d) {
+  uint32_t two;
+  __builtin_memcpy(&two, d, 4);
+  const __m128 ab = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
+  return _mm256_permutexvar_ps(_mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), _mm256_castps128_ps256(ab));
+}
+
+// ------------------------------------------------------------------------------------------ F32
+
+template <int MT, int NT>
+void tile_f32(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t m, int64_t n) {
+  __m512 acc_lo[MT][NT], acc_hi[MT][NT];
+  for (int i = 0; i < MT; i++)
+    for (int j = 0; j < NT; j++) acc_lo[i][j] = acc_hi[i][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < w.k / 32; b++) {
+    __m512 wlo[NT], whi[NT];
+    for (int j = 0; j < NT; j++) {
+      const float* row = reinterpret_cast<const float*>(w.data + (n + j) * w.row_bytes) + b * 32;
+      wlo[j] = _mm512_loadu_ps(row);
+      whi[j] = _mm512_loadu_ps(row + 16);
+    }
+    for (int i = 0; i < MT; i++) {
+      const float* x = px.x + (m + i) * px.ldx + b * 32;
+      const __m512 xlo = _mm512_loadu_ps(x), xhi = _mm512_loadu_ps(x + 16);
+      for (int j = 0; j < NT; j++) {
+        acc_lo[i][j] = _mm512_fmadd_ps(wlo[j], xlo, acc_lo[i][j]);
+        acc_hi[i][j] = _mm512_fmadd_ps(whi[j], xhi, acc_hi[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MT; i++)
+    for (int j = 0; j < NT; j++) y[(m + i) * ldy + n + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[i][j], acc_hi[i][j]));
+}
+
+// ----------------------------------------------------------------------------------------- Q4_1
+
+template <int MT, int NT>
+void tile_q4_1(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t m, int64_t n) {
+  const int64_t nb = w.nb, nquad = nb / 4;
+  const bool pair_tail = nb % 4 != 0;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const uint8_t* qs[NT];
+  const uint16_t *ds[NT], *ms[NT];
+  for (int j = 0; j < NT; j++) {
+    qs[j] = w.data + (n + j) * w.row_bytes;
+    ds[j] = reinterpret_cast<const uint16_t*>(qs[j] + nb * 16);
+    ms[j] = ds[j] + nb;
+  }
+  const int64_t xrow = nb * 32, srow = nb * kLanesQ4;
+  __m512 acc[MT][NT];
+  for (int i = 0; i < MT; i++)
+    for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t q = 0; q < nquad; q++) {
+    __m512i lo[NT], hi[NT];
+    __m512 dv[NT];
+    for (int j = 0; j < NT; j++) {
+      const __m512i c = _mm512_loadu_si512(qs[j] + q * 64);
+      lo[j] = _mm512_and_si512(c, nib);
+      hi[j] = _mm512_and_si512(_mm512_srli_epi16(c, 4), nib);
+      dv[j] = scales4x4(ds[j] + q * 4);
+    }
+    for (int i = 0; i < MT; i++) {
+      const int8_t* x1 = px.d1.data() + (m + i) * xrow + q * 128;
+      const int8_t* x2 = px.d2.data() + (m + i) * xrow + q * 128;
+      const __m512i x1lo = _mm512_loadu_si512(x1), x1hi = _mm512_loadu_si512(x1 + 64);
+      const __m512i x2lo = _mm512_loadu_si512(x2), x2hi = _mm512_loadu_si512(x2 + 64);
+      const __m512 s2 = _mm512_loadu_ps(px.s2.data() + (m + i) * srow + q * 16);
+      for (int j = 0; j < NT; j++) {
+        __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[j], x1lo);
+        i1 = _mm512_dpbusd_epi32(i1, hi[j], x1hi);
+        __m512i i2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[j], x2lo);
+        i2 = _mm512_dpbusd_epi32(i2, hi[j], x2hi);
+        const __m512i iv = _mm512_add_epi32(_mm512_slli_epi32(i1, 8), i2);  // sum q * (256 x1 + x2)
+        acc[i][j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(iv), s2), dv[j], acc[i][j]);
+      }
+    }
+  }
+  __m256 acc2[MT][NT];
+  for (int i = 0; i < MT; i++)
+    for (int j = 0; j < NT; j++) acc2[i][j] = _mm256_setzero_ps();
+  if (pair_tail) {
+    const int64_t b0 = nquad * 4;
+    const __m256i nib2 = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < NT; j++) {
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs[j] + b0 * 16));
+      const __m256i lo2 = _mm256_and_si256(c, nib2), hi2 = _mm256_and_si256(_mm256_srli_epi16(c, 4), nib2);
+      const __m256 dv2 = scales2x4(ds[j] + b0);
+      for (int i = 0; i < MT; i++) {
+        const int8_t* x1 = px.d1.data() + (m + i) * xrow + b0 * 32;
+        const int8_t* x2 = px.d2.data() + (m + i) * xrow + b0 * 32;
+        __m256i i1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x1)));
+        i1 = _mm256_dpbusd_epi32(i1, hi2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x1 + 32)));
+        __m256i i2 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x2)));
+        i2 = _mm256_dpbusd_epi32(i2, hi2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x2 + 32)));
+        const __m256i iv = _mm256_add_epi32(_mm256_slli_epi32(i1, 8), i2);
+        const __m256 s2 = _mm256_loadu_ps(px.s2.data() + (m + i) * srow + b0 * kLanesQ4);
+        acc2[i][j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(iv), s2), dv2, acc2[i][j]);
+      }
+    }
+  }
+  // + sum_b m_b * xs_b, 16 blocks at a time (the last chunk masked)
+  for (int j = 0; j < NT; j++)
+    for (int i = 0; i < MT; i++) {
+      const float* xs = px.xs.data() + (m + i) * nb;
+      __m512 macc = _mm512_setzero_ps();
+      for (int64_t b = 0; b < nb; b += 16) {
+        const __mmask16 k = b + 16 <= nb ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (nb - b)) - 1);
+        const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, ms[j] + b));
+        macc = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, xs + b), macc);
+      }
+      y[(m + i) * ldy + n + j] = _mm512_reduce_add_ps(acc[i][j]) + hsum256(acc2[i][j]) + _mm512_reduce_add_ps(macc);
+    }
+}
+
+// ----------------------------------------------------------------------------------------- Q8_0
+
+template <int MT, int NT>
+void tile_q8_0(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t m, int64_t n) {
+  const int64_t nb = w.nb;
+  const uint8_t* us[NT];
+  const uint16_t* ds[NT];
+  for (int j = 0; j < NT; j++) {
+    us[j] = w.data + (n + j) * w.row_bytes;
+    ds[j] = reinterpret_cast<const uint16_t*>(us[j] + nb * 32);
+  }
+  const int64_t xrow = nb * 32, srow = nb * kLanesQ8;
+  __m512 acc[MT][NT];
+  for (int i = 0; i < MT; i++)
+    for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < nb / 2; p++) {
+    __m512i u[NT];
+    __m512 dv[NT];
+    for (int j = 0; j < NT; j++) {
+      u[j] = _mm512_loadu_si512(us[j] + p * 64);
+      dv[j] = scales2x8(ds[j] + p * 2);
+    }
+    for (int i = 0; i < MT; i++) {
+      const __m512i x1 = _mm512_loadu_si512(px.d1.data() + (m + i) * xrow + p * 64);
+      const __m512i x2 = _mm512_loadu_si512(px.d2.data() + (m + i) * xrow + p * 64);
+      const __m512 s2 = _mm512_loadu_ps(px.s2.data() + (m + i) * srow + p * 16);
+      const __m512i corr = _mm512_loadu_si512(px.c1.data() + (m + i) * srow + p * 16);
+      for (int j = 0; j < NT; j++) {
+        const __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[j], x1);
+        const __m512i i2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[j], x2);
+        // sum (q + 128) * (256 x1 + x2) - 128 * sum (256 x1 + x2) = sum q * (256 x1 + x2)
+        const __m512i iv = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(i1, 8), i2), corr);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(iv), s2), dv[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MT; i++)
+    for (int j = 0; j < NT; j++) y[(m + i) * ldy + n + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+// Rows in tiles of 4 (then 1), columns in tiles of 2 (then 1). Every (m, n) gets the same sequence
+// of floating-point operations whatever tile computes it (see the header).
+template <void (*T41)(const QuantWeight&, const PreparedX&, float*, int64_t, int64_t, int64_t),
+          void (*T42)(const QuantWeight&, const PreparedX&, float*, int64_t, int64_t, int64_t),
+          void (*T12)(const QuantWeight&, const PreparedX&, float*, int64_t, int64_t, int64_t),
+          void (*T11)(const QuantWeight&, const PreparedX&, float*, int64_t, int64_t, int64_t)>
+void tiles(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  int64_t m = 0;
+  for (; m + 4 <= px.M; m += 4) {
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) T42(w, px, y, ldy, m, n);
+    for (; n < n1; n++) T41(w, px, y, ldy, m, n);
+  }
+  for (; m < px.M; m++) {
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) T12(w, px, y, ldy, m, n);
+    for (; n < n1; n++) T11(w, px, y, ldy, m, n);
+  }
+}
+
+}  // namespace
+
+int64_t weight_bytes(int type, int64_t n, int64_t k) {
+  if (k % 32 != 0) throw std::invalid_argument("in_features must be a multiple of 32, got " + std::to_string(k));
+  const int64_t nb = padded_blocks(k);
+  switch (type) {
+    case kF32: return n * k * 4;
+    case kQ4_1: return n * nb * 20;
+    case kQ8_0: return n * nb * 34;
+  }
+  throw std::invalid_argument("unsupported weight type " + std::to_string(type));
+}
+
+QuantWeight make_weight(const void* data, int type, int64_t n, int64_t k) {
+  QuantWeight w;
+  w.data = static_cast<const uint8_t*>(data);
+  w.type = type;
+  w.n = n;
+  w.k = k;
+  w.nb = padded_blocks(k);
+  w.row_bytes = weight_bytes(type, 1, k);
+  return w;
+}
+
+void prepare_resize(PreparedX& p, int type, int64_t M, int64_t k, const float* x, int64_t ldx) {
+  p.type = type;
+  p.M = M;
+  p.k = k;
+  p.nb = padded_blocks(k);
+  p.x = x;
+  p.ldx = ldx;
+  if (type == kF32) return;
+  const int lanes = type == kQ4_1 ? kLanesQ4 : kLanesQ8;
+  p.d1.resize(M * p.nb * 32);
+  p.d2.resize(M * p.nb * 32);
+  p.s2.resize(M * p.nb * lanes);
+  if (type == kQ4_1) p.xs.resize(M * p.nb);
+  if (type == kQ8_0) p.c1.resize(M * p.nb * lanes);
+}
+
+void prepare_rows(PreparedX& p, int64_t m0, int64_t m1) {
+  if (p.type == kF32) return;
+  const int64_t nb = p.nb, nreal = p.k / 32, nquad = nb / 4;
+  const int lanes = p.type == kQ4_1 ? kLanesQ4 : kLanesQ8;
+  for (int64_t m = m0; m < m1; m++) {
+    const float* x = p.x + m * p.ldx;
+    int8_t* d1 = p.d1.data() + m * nb * 32;
+    int8_t* d2 = p.d2.data() + m * nb * 32;
+    float* s2v = p.s2.data() + m * nb * lanes;
+    for (int64_t b = 0; b < nb; b++) {
+      alignas(64) int8_t q1[32], q2[32];
+      float s2 = 0.0f, xs = 0.0f;
+      int32_t sum1 = 0, sum2 = 0;
+      if (b < nreal) {
+        const __m512 lo = _mm512_loadu_ps(x + b * 32), hi = _mm512_loadu_ps(x + b * 32 + 16);
+        xs = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+        const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(lo)), _mm512_reduce_max_ps(_mm512_abs_ps(hi)));
+        if (amax > 0.0f) {
+          const float s1 = amax / 127.0f;
+          s2 = s1 / 256.0f;  // exact: s1 = 256 * s2
+          const __m512 vs1 = _mm512_set1_ps(s1), vs2 = _mm512_set1_ps(s2);
+          const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
+          for (int h = 0; h < 2; h++) {
+            const __m512 v = h ? hi : lo;
+            __m512i a = _mm512_cvtps_epi32(_mm512_div_ps(v, vs1));
+            a = _mm512_max_epi32(_mm512_min_epi32(a, lim), nlim);
+            const __m512 r = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(a), vs1, v);
+            __m512i c = _mm512_cvtps_epi32(_mm512_div_ps(r, vs2));
+            c = _mm512_max_epi32(_mm512_min_epi32(c, lim), nlim);
+            _mm_store_si128(reinterpret_cast<__m128i*>(q1 + 16 * h), _mm512_cvtepi32_epi8(a));
+            _mm_store_si128(reinterpret_cast<__m128i*>(q2 + 16 * h), _mm512_cvtepi32_epi8(c));
+            sum1 += _mm512_reduce_add_epi32(a);
+            sum2 += _mm512_reduce_add_epi32(c);
+          }
+        } else {
+          std::fill(q1, q1 + 32, 0);
+          std::fill(q2, q2 + 32, 0);
+        }
+      } else {  // padding block
+        std::fill(q1, q1 + 32, 0);
+        std::fill(q2, q2 + 32, 0);
+      }
+      for (int l = 0; l < lanes; l++) s2v[b * lanes + l] = s2;
+      if (p.type == kQ4_1) {
+        p.xs[m * nb + b] = xs;
+        // group of g blocks starting at g0: [x[0:16] of each | x[16:32] of each]
+        const int64_t g0 = b < nquad * 4 ? b / 4 * 4 : nquad * 4, g = b < nquad * 4 ? 4 : 2, at = b - g0;
+        for (int h = 0; h < 2; h++) {
+          std::copy(q1 + 16 * h, q1 + 16 * h + 16, d1 + g0 * 32 + h * g * 16 + at * 16);
+          std::copy(q2 + 16 * h, q2 + 16 * h + 16, d2 + g0 * 32 + h * g * 16 + at * 16);
+        }
+      } else {
+        std::copy(q1, q1 + 32, d1 + b * 32);
+        std::copy(q2, q2 + 32, d2 + b * 32);
+        int32_t* c = p.c1.data() + m * nb * lanes + b * lanes;
+        c[0] = 128 * (256 * sum1 + sum2);
+        for (int l = 1; l < lanes; l++) c[l] = 0;
+      }
+    }
+  }
+}
+
+void matmul_cols(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  if (px.type != w.type || px.k != w.k) throw std::invalid_argument("activations prepared for another weight");
+  switch (w.type) {
+    case kQ4_1: return tiles<tile_q4_1<4, 1>, tile_q4_1<4, 2>, tile_q4_1<1, 2>, tile_q4_1<1, 1>>(w, px, y, ldy, n0, n1);
+    case kQ8_0: return tiles<tile_q8_0<4, 1>, tile_q8_0<4, 2>, tile_q8_0<1, 2>, tile_q8_0<1, 1>>(w, px, y, ldy, n0, n1);
+    case kF32: return tiles<tile_f32<4, 1>, tile_f32<4, 2>, tile_f32<1, 2>, tile_f32<1, 1>>(w, px, y, ldy, n0, n1);
+  }
+  throw std::invalid_argument("unsupported weight type " + std::to_string(w.type));
+}
+
+void dequantize_rows(const QuantWeight& w, const int64_t* ids, int64_t T, float* out) {
+  for (int64_t t = 0; t < T; t++) {
+    const uint8_t* row = w.data + ids[t] * w.row_bytes;
+    float* o = out + t * w.k;
+    if (w.type == kF32) {
+      std::copy(reinterpret_cast<const float*>(row), reinterpret_cast<const float*>(row) + w.k, o);
+      continue;
+    }
+    for (int64_t b = 0; b < w.k / 32; b++) {
+      if (w.type == kQ4_1) {
+        const uint16_t* dm = reinterpret_cast<const uint16_t*>(row + w.nb * 16);
+        const float d = _cvtsh_ss(dm[b]), mn = _cvtsh_ss(dm[w.nb + b]);
+        for (int j = 0; j < 16; j++) {
+          const uint8_t c = row[b * 16 + j];
+          o[b * 32 + j] = std::fma(static_cast<float>(c & 15), d, mn);
+          o[b * 32 + j + 16] = std::fma(static_cast<float>(c >> 4), d, mn);
+        }
+      } else {
+        const float d = _cvtsh_ss(reinterpret_cast<const uint16_t*>(row + w.nb * 32)[b]);
+        for (int j = 0; j < 32; j++) o[b * 32 + j] = static_cast<float>(static_cast<int>(row[b * 32 + j]) - 128) * d;
+      }
+    }
+  }
+}
+
+}  // namespace pdserve

@@ -1,0 +1,63 @@
+// Matrix products against weights kept as the checkpoint's blocks of 32 values.
+//
+// Weight rows, in memory (the loader repacks each row of the file's blocks so that the codes of
+// consecutive blocks are contiguous; the values are the file's, bit for bit):
+//
+//   Q4_1:  qs[nb][16] | d[nb] fp16 | m[nb] fp16     w[j] = (qs[j] & 15) * d + m,  w[j+16] = (qs[j] >> 4) * d + m
+//   Q8_0:  u[nb][32]  | d[nb] fp16                  w[j] = (u[j] - 128) * d        (u = the file's int8 code + 128)
+//   F32:   w[k]
+//
+// nb is the number of blocks rounded up to even (a padding block has d = m = 0).
+//
+// Q4_1 and Q8_0 multiply with integer dot products (AVX-512 VNNI): each block of 32 activations
+// is written as two int8 digits, x ~= s1*x1 + s2*x2 with s1 = max|x|/127 and s2 = s1/254, so the
+// activation keeps ~16 bits (error <= max|x| * 1.6e-5, against bf16's 2^-9 relative), and
+//
+//   sum_j w_j x_j = d * (s1 * sum q x1 + s2 * sum q x2) + m * sum x      (sum x in fp32)
+//
+// The order of every floating-point operation of one output (row m, column n) is fixed and does
+// not depend on how many rows share the call or which tile computes it: a sequence's numbers are
+// the same alone, in a batch, in a prefill chunk or in a decode step.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace pdserve {
+
+enum WeightType : int { kF32 = 0, kQ4_1 = 3, kQ8_0 = 8 };  // ggml type ids
+
+struct QuantWeight {
+  const uint8_t* data = nullptr;  // n rows of row_bytes each
+  int64_t n = 0, k = 0;           // out features, in features (k % 32 == 0)
+  int64_t nb = 0;                 // blocks per row, padded to even
+  int64_t row_bytes = 0;
+  int type = kF32;
+};
+
+QuantWeight make_weight(const void* data, int type, int64_t n, int64_t k);  // throws on bad type/shape
+int64_t weight_bytes(int type, int64_t n, int64_t k);
+
+// Activations in the kernel's form for one weight type: M rows of k values.
+struct PreparedX {
+  int type = kF32;
+  int64_t M = 0, k = 0, nb = 0;
+  const float* x = nullptr;  // F32: the rows themselves
+  int64_t ldx = 0;
+  std::vector<int8_t> d1, d2;  // [M][nb/2][64]: digits, pair-interleaved for the weight type
+  std::vector<float> s1, s2;   // [M][nb/2][16]: per-lane digit scales
+  std::vector<int32_t> c1, c2; // Q8_0: [M][nb/2][16] per-lane corrections (128 * sum of digits)
+  std::vector<float> xs;       // Q4_1: [M][nb] block sums of x
+};
+
+// Rows [m0, m1) of x (row stride ldx) into p (which must already be sized by prepare_resize).
+void prepare_resize(PreparedX& p, int type, int64_t M, int64_t k, const float* x, int64_t ldx);
+void prepare_rows(PreparedX& p, int64_t m0, int64_t m1);
+
+// y[m, n] for all M rows and n in [n0, n1); y has row stride ldy. Serial: callers split n.
+void matmul_cols(const QuantWeight& w, const PreparedX& x, float* y, int64_t ldy, int64_t n0, int64_t n1);
+
+// out[t, :] = row ids[t] of w, dequantized (the embedding lookup of a tied head).
+void dequantize_rows(const QuantWeight& w, const int64_t* ids, int64_t T, float* out);
+
+}  // namespace pdserve

@@ -1,0 +1,92 @@
+"""The CPU extension (`cpu/*.cpp`): quantized matmul and the fused decode step, built on first use.
+
+It is compiled for this machine's CPU (`-march=native`) with the compiler torch was built for, and
+cached under `$PDSERVE_HOME/ext/` keyed by a hash of the sources, torch's version and the CPU, so
+a cold start pays the build once (~1 min on 2 cores) and every later process loads it in
+milliseconds. Concurrent first starts (a prefill and a decode worker) serialise on torch's build
+lock. It needs AVX-512 (with F16C); where that is missing, or the build fails, `load()` returns
+None once with a warning and the model runs its torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from shared.model.hub import pdserve_home
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).parent / "cpu" / name for name in ("quant_matmul.cpp", "decode_step.cpp")]
+_HEADERS = [Path(__file__).parent / "cpu" / "quant_matmul.h"]
+
+
+def cpu_supported() -> tuple[bool, str]:
+    """Whether this CPU can run the extension, and why not."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False, "cannot read /proc/cpuinfo"
+    missing = [f for f in ("avx512f", "avx512bw", "f16c", "fma") if f" {f}" not in flags]
+    if missing:
+        return False, f"CPU lacks {', '.join(missing)}"
+    return True, ""
+
+
+def _build_key() -> str:
+    h = hashlib.sha256()
+    for p in [*SOURCES, *_HEADERS]:
+        h.update(p.read_bytes())
+    h.update(torch.__version__.encode())
+    try:
+        model = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        h.update(model.encode())
+    except (OSError, StopIteration):
+        pass
+    return h.hexdigest()[:16]
+
+
+BUILD_SECONDS: float | None = None  # wall time of the build this process did (None: loaded from cache)
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The compiled extension, or None (with one warning) where it cannot run here."""
+    global BUILD_SECONDS
+    if os.environ.get("PDSERVE_NO_CPU_EXT"):
+        log.info("PDSERVE_NO_CPU_EXT set: the CPU extension is off")
+        return None
+    ok, why = cpu_supported()
+    if not ok:
+        log.warning("CPU extension unavailable (%s): using the slower torch path", why)
+        return None
+    from torch.utils import cpp_extension
+
+    key = _build_key()
+    build_dir = pdserve_home() / "ext" / f"cpu-{key}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cached = any(build_dir.glob("*.so"))
+    t0 = time.perf_counter()
+    try:
+        module = cpp_extension.load(
+            name=f"pdserve_cpu_{key}",
+            sources=[str(p) for p in SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    except Exception as exc:  # a compiler or ninja missing, or a build error: say so once, run the torch path
+        log.warning("CPU extension failed to build (%s): using the slower torch path", exc)
+        return None
+    if not cached:
+        BUILD_SECONDS = time.perf_counter() - t0
+        log.info("built the CPU extension in %.1f s (cached in %s)", BUILD_SECONDS, build_dir)
+    return module
