@@ -296,3 +296,48 @@ class LiveAutoscaler:
                 log.warning("autoscale: scrape failed (%s); skipping an interval", exc)
                 continue
             self.autoscaler.step(obs)
+
+
+# ------------------------------------------------------------------------------ `pdserve up` glue
+
+
+def add_autoscale_args(p) -> None:
+    """`pdserve up --autoscale …` (the pools start at --prefill / --decode workers)."""
+    import os
+
+    cores = os.cpu_count() or 2
+    g = p.add_argument_group("autoscaling (pdserve up --autoscale)")
+    g.add_argument("--autoscale", action="store_true",
+                   help="add and remove local prefill / decode workers from the gateway's metrics")
+    g.add_argument("--min-prefill", type=int, default=1)
+    g.add_argument("--max-prefill", type=int, default=max(1, cores // 2))
+    g.add_argument("--min-decode", type=int, default=1)
+    g.add_argument("--max-decode", type=int, default=max(1, cores // 2))
+    g.add_argument("--budget", type=int, default=None,
+                   help="prefill + decode processes at most, draining ones included (default: max-prefill + max-decode)")
+    g.add_argument("--autoscale-interval", type=float, default=5.0, help="seconds between decisions")
+    g.add_argument("--slo-ttft-p90-ms", type=float, default=2000.0)
+    g.add_argument("--slo-itl-p90-ms", type=float, default=250.0)
+
+
+def autoscale_config(args) -> AutoscaleConfig:
+    return AutoscaleConfig(min_prefill=args.min_prefill, max_prefill=max(args.max_prefill, args.prefill),
+                           min_decode=args.min_decode, max_decode=max(args.max_decode, args.decode),
+                           budget=args.budget or max(args.max_prefill, args.prefill) + max(args.max_decode, args.decode),
+                           interval_s=args.autoscale_interval, slo_ttft_p90_s=args.slo_ttft_p90_ms / 1e3,
+                           slo_itl_p90_s=args.slo_itl_p90_ms / 1e3)
+
+
+def start_autoscaler(args, url: str, start_worker: Callable[[str, str], subprocess.Popen],
+                     running: dict[str, dict[str, subprocess.Popen]]) -> LiveAutoscaler:
+    """What `pdserve up --autoscale` calls once the stack is healthy. `start_worker(kind, name)` starts
+    one worker process the way `up` starts its own; `running[kind]` maps the workers already up by
+    name. Stop the returned loop before stopping the stack."""
+    actuator = ProcessActuator(start_worker, {kind: len(procs) for kind, procs in running.items()})
+    for procs in running.values():
+        actuator.procs.update(procs)
+    initial = {kind: list(procs) for kind, procs in running.items()}
+    config = autoscale_config(args)
+    log.info("autoscaling: prefill %d–%d, decode %d–%d, budget %d, every %.0f s", config.min_prefill,
+             config.max_prefill, config.min_decode, config.max_decode, config.budget, config.interval_s)
+    return LiveAutoscaler(config, url, actuator, initial).start()

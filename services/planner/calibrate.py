@@ -43,6 +43,11 @@ def measure_stack(base_url: str, gguf: str | None, high_batch: int = 4, seed: in
     """Closed-loop runs (each its own prompts) against the server at `base_url`."""
     from services.bench.runner import BenchConfig, run_benchmark
 
+    # a fresh stack's first requests pay one-off costs (first calls of each shape, connections):
+    # warm it up the way the runs to predict will find it, and measure only after that
+    run_benchmark(BenchConfig(base_url, workload="chat", num_requests=6, max_concurrency=high_batch,
+                              prompt_tokens=(128, 768), output_tokens=(8, 24), tokenizer=gguf, progress=False,
+                              seed=seed - 1))
     runs = []
     for k, (batch, prompt, out) in enumerate(RUNS):
         batch = high_batch if batch > 1 else 1
