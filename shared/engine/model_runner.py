@@ -4,9 +4,9 @@ The scheduler hands over small `ScheduledChunk`s (what to run for each sequence)
 them into flat tensors plus `AttentionMetadata`, runs the model, and returns logits only for the
 rows whose next token is wanted (a prefill chunk that is not the prompt's last needs none).
 
-Where the model has a fused decode step (`fused_decode.py`, the CPU default), chunks of one token
-run through it and longer chunks through the model's forward; the two halves of a mixed batch
-touch different sequences, so their order does not matter.
+Where the model has a fused forward (`fused_forward.py`, the CPU default), every chunk — decode
+tokens and prefill chunks — runs through it, so a token is computed the same way on every path;
+otherwise through the model's torch forward.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from shared.kvcache.kv_cache import KVCache
 from shared.model.attention import AttentionMetadata
-from shared.model.fused_decode import FusedDecoder
+from shared.model.fused_forward import FusedForward
 from shared.model.llama import LlamaModel
 
 
@@ -34,7 +34,7 @@ class ModelRunner:
         self.model, self.kv_cache = model, kv_cache
         self.block_size = kv_cache.block_size
         self.device = kv_cache.data.device
-        self.fused = FusedDecoder.for_model(model) if fused and self.device.type == "cpu" else None
+        self.fused = FusedForward.for_model(model) if fused and self.device.type == "cpu" else None
 
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
@@ -77,17 +77,7 @@ class ModelRunner:
         """One step; returns fp32 logits [number of chunks with need_logits, V], in chunk order."""
         if self.fused is None:
             return self._forward(chunks)
-        single = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
-        if len(single) == len(chunks):
-            return self._fused(chunks)[[i for i, c in enumerate(chunks) if c.need_logits]]
-        if not single:
-            return self._forward(chunks)
-        multi = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
-        parts = {i: row for i, row in zip(single, self._fused([chunks[i] for i in single]))}
-        wanted = [i for i in multi if chunks[i].need_logits]
-        parts |= dict(zip(wanted, self._forward([chunks[i] for i in multi])))
-        rows = [parts[i] for i, c in enumerate(chunks) if c.need_logits]
-        return torch.stack(rows) if rows else torch.empty((0, self.model.config.vocab_size))
+        return self._fused(chunks)
 
     def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         ids, positions, attn, logit_rows = self.prepare(chunks)
@@ -97,15 +87,23 @@ class ModelRunner:
         return self.model.compute_logits(hidden[logit_rows])
 
     def _fused(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Chunks of one token each through the fused decode step → logits [len(chunks), V]."""
+        """Every chunk through the fused forward → logits [chunks with need_logits, V]."""
         bs = self.block_size
         width = max(len(c.block_table) for c in chunks)
-        for c in chunks:
-            if len(c.block_table) * bs <= c.start_pos:
-                raise ValueError(f"chunk at position {c.start_pos} does not fit {len(c.block_table)} blocks")
-        ids = torch.tensor([c.token_ids[0] for c in chunks], dtype=torch.int64)
-        positions = torch.tensor([c.start_pos for c in chunks], dtype=torch.int64)
-        slots = torch.tensor([c.block_table[c.start_pos // bs] * bs + c.start_pos % bs for c in chunks],
-                             dtype=torch.int64)
+        ids: list[int] = []
+        positions: list[int] = []
+        row_seq: list[int] = []
+        logit_rows: list[int] = []
+        for s, c in enumerate(chunks):
+            end = c.start_pos + len(c.token_ids)
+            if not c.token_ids or len(c.block_table) * bs < end:
+                raise ValueError(f"chunk of {len(c.token_ids)} tokens ending at {end} does not fit {len(c.block_table)} blocks")
+            ids += c.token_ids
+            positions += range(c.start_pos, end)
+            row_seq += [s] * len(c.token_ids)
+            if c.need_logits:
+                logit_rows.append(len(ids) - 1)
         tables = torch.tensor([c.block_table + [0] * (width - len(c.block_table)) for c in chunks], dtype=torch.int32)
-        return self.fused.step(ids, positions, slots, tables, (positions + 1).to(torch.int32), self.kv_cache.data)
+        return self.fused.forward(torch.tensor(ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
+                                  torch.tensor(row_seq, dtype=torch.int32), tables,
+                                  torch.tensor(logit_rows, dtype=torch.int64), self.kv_cache.data)

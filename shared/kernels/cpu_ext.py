@@ -24,7 +24,7 @@ from shared.model.hub import pdserve_home
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "cpu" / name for name in ("quant_matmul.cpp", "decode_step.cpp")]
+SOURCES = [Path(__file__).parent / "cpu" / name for name in ("quant_matmul.cpp", "model_forward.cpp")]
 _HEADERS = [Path(__file__).parent / "cpu" / "quant_matmul.h"]
 
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def engine(default_gguf):
-    """The default configuration: the file's weight blocks, the fused decode step."""
+    """The default configuration: the file's weight blocks, the fused forward."""
     return LLMEngine.from_config(EngineConfig(model=str(default_gguf), num_kv_blocks=256))
 
 

@@ -102,10 +102,10 @@ def test_real_model_default_paged_batch_matches_contiguous(default_gguf):
 
 
 @pytest.mark.parametrize("ggml_type", [0, 3, 8])  # F32, Q4_1, Q8_0
-def test_fused_decode_step_matches_the_torch_path(ggml_type):
-    """The fused C++ decode step computes what the model's torch forward computes over the same
-    weight blocks (prefill chunks still go through the torch path), and its decode rows do not
-    depend on the batch they are in."""
+def test_fused_forward_matches_the_torch_path(ggml_type):
+    """The fused C++ forward computes what the model's torch forward computes over the same weight
+    blocks, and a sequence's logits — its prefill's and every decode step's — do not depend on the
+    batch it is in, bit for bit."""
     from shared.kernels import cpu_ext
     from tests.model_utils import blocks_model
 
@@ -121,8 +121,9 @@ def test_fused_decode_step_matches_the_torch_path(ggml_type):
     for (ref_tokens, ref_logits), tokens, logits in zip(refs, got, got_logits):
         torch.testing.assert_close(torch.stack(logits), torch.stack(ref_logits), atol=atol, rtol=1e-3)
         assert tokens == ref_tokens
-    # alone vs in a batch of four: the decode rows' logits are bit for bit the same
+    # alone vs in a batch of four, one-shot vs chunked prefill: the logits are bit for bit the same
     alone = [paged_greedy(model, [p], max_new=8)[1][0] for p in prompts]
     batched = paged_greedy(model, prompts, max_new=8)[1]
-    for a, b in zip(alone, batched):
-        assert all(torch.equal(x, y) for x, y in zip(a[1:], b[1:]))  # [0] comes from the prefill path
+    chunked = paged_greedy(model, prompts, max_new=8, chunk=3)[1]
+    for a, b, c in zip(alone, batched, chunked):
+        assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a, b, c))

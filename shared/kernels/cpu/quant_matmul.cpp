@@ -197,14 +197,15 @@ template <void (*T41)(const QuantWeight&, const PreparedX&, float*, int64_t, int
           void (*T42)(const QuantWeight&, const PreparedX&, float*, int64_t, int64_t, int64_t),
           void (*T12)(const QuantWeight&, const PreparedX&, float*, int64_t, int64_t, int64_t),
           void (*T11)(const QuantWeight&, const PreparedX&, float*, int64_t, int64_t, int64_t)>
-void tiles(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  int64_t m = 0;
-  for (; m + 4 <= px.M; m += 4) {
+void tiles(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t n0, int64_t n1, int64_t m0,
+           int64_t m1) {
+  int64_t m = m0;
+  for (; m + 4 <= m1; m += 4) {
     int64_t n = n0;
     for (; n + 2 <= n1; n += 2) T42(w, px, y, ldy, m, n);
     for (; n < n1; n++) T41(w, px, y, ldy, m, n);
   }
-  for (; m < px.M; m++) {
+  for (; m < m1; m++) {
     int64_t n = n0;
     for (; n + 2 <= n1; n += 2) T12(w, px, y, ldy, m, n);
     for (; n < n1; n++) T11(w, px, y, ldy, m, n);
@@ -313,12 +314,14 @@ void prepare_rows(PreparedX& p, int64_t m0, int64_t m1) {
   }
 }
 
-void matmul_cols(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+void matmul_cols(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t n0, int64_t n1, int64_t m0,
+                 int64_t m1) {
   if (px.type != w.type || px.k != w.k) throw std::invalid_argument("activations prepared for another weight");
+  if (m1 < 0) m1 = px.M;
   switch (w.type) {
-    case kQ4_1: return tiles<tile_q4_1<4, 1>, tile_q4_1<4, 2>, tile_q4_1<1, 2>, tile_q4_1<1, 1>>(w, px, y, ldy, n0, n1);
-    case kQ8_0: return tiles<tile_q8_0<4, 1>, tile_q8_0<4, 2>, tile_q8_0<1, 2>, tile_q8_0<1, 1>>(w, px, y, ldy, n0, n1);
-    case kF32: return tiles<tile_f32<4, 1>, tile_f32<4, 2>, tile_f32<1, 2>, tile_f32<1, 1>>(w, px, y, ldy, n0, n1);
+    case kQ4_1: return tiles<tile_q4_1<4, 1>, tile_q4_1<4, 2>, tile_q4_1<1, 2>, tile_q4_1<1, 1>>(w, px, y, ldy, n0, n1, m0, m1);
+    case kQ8_0: return tiles<tile_q8_0<4, 1>, tile_q8_0<4, 2>, tile_q8_0<1, 2>, tile_q8_0<1, 1>>(w, px, y, ldy, n0, n1, m0, m1);
+    case kF32: return tiles<tile_f32<4, 1>, tile_f32<4, 2>, tile_f32<1, 2>, tile_f32<1, 1>>(w, px, y, ldy, n0, n1, m0, m1);
   }
   throw std::invalid_argument("unsupported weight type " + std::to_string(w.type));
 }

@@ -54,8 +54,10 @@ struct PreparedX {
 void prepare_resize(PreparedX& p, int type, int64_t M, int64_t k, const float* x, int64_t ldx);
 void prepare_rows(PreparedX& p, int64_t m0, int64_t m1);
 
-// y[m, n] for all M rows and n in [n0, n1); y has row stride ldy. Serial: callers split n.
-void matmul_cols(const QuantWeight& w, const PreparedX& x, float* y, int64_t ldy, int64_t n0, int64_t n1);
+// y[m, n] for rows m in [m0, m1) (m1 < 0: all M rows) and n in [n0, n1); y has row stride ldy.
+// Serial: callers split rows and columns (in blocks that keep a block of prepared rows in L2).
+void matmul_cols(const QuantWeight& w, const PreparedX& x, float* y, int64_t ldy, int64_t n0, int64_t n1,
+                 int64_t m0 = 0, int64_t m1 = -1);
 
 // out[t, :] = row ids[t] of w, dequantized (the embedding lookup of a tied head).
 void dequantize_rows(const QuantWeight& w, const int64_t* ids, int64_t T, float* out);

@@ -1,15 +1,18 @@
-// The whole decode step of a Llama model in one C++ call, and the quantized matmul for the torch
-// path. Why: at batch 1 this model's step is ~300 small ops (30 layers x ~10); from Python each
-// costs microseconds of dispatch, so the eager step was bound by overhead, not by reading weights.
-// Here one OpenMP team runs the step, with a barrier between dependent phases:
+// The forward pass of a Llama model in one C++ call — decode tokens and prefill chunks alike — and
+// the quantized matmul for the torch path. Why: at batch 1 this model's step is ~300 small ops (30
+// layers x ~10); from Python each costs microseconds of dispatch, so the eager step was bound by
+// overhead, not by reading weights. Here one OpenMP team runs the step, with a barrier between
+// dependent phases:
 //
-//   embed -> for each layer: rmsnorm -> qkv -> rotary + KV write -> paged attention (split over
-//   positions, merged by log-sum-exp) -> o_proj + residual -> rmsnorm -> gate|up -> silu*mul
-//   -> down + residual -> final rmsnorm -> head
+//   embed -> for each layer: rmsnorm -> qkv -> rotary + KV write (every row) -> paged attention
+//   (per row, split over positions, merged by log-sum-exp) -> o_proj + residual -> rmsnorm
+//   -> gate|up -> silu*mul -> down + residual -> final rmsnorm -> head (the rows asked for)
 //
 // Activations are fp32; weights are the checkpoint's blocks (quant_matmul.h); the KV cache is
-// fp32, bf16 or fp16. Every per-sequence result is computed the same way whatever else is in the
-// batch (no reduction crosses sequences), so a sequence's tokens do not depend on its batch.
+// fp32, bf16 or fp16. A row is one token: every result of a row is computed by the same
+// operations in the same order whatever else is in the call (no reduction crosses rows; a
+// prefill row attends exactly as a decode step at its position would), so a sequence's tokens do
+// not depend on its batch, on how its prompt was chunked, or on which of its blocks were cached.
 #include <immintrin.h>
 #include <omp.h>
 #include <torch/extension.h>
@@ -24,6 +27,7 @@ namespace {
 
 constexpr int64_t kColChunk = 16;   // output columns per work item of a matmul (one vector: see silu)
 constexpr int64_t kPosChunk = 256;  // cache positions per attention work item
+constexpr int64_t kRowBlock = 64;   // rows per matmul work item: their prepared activations stay in L2
 
 // exp(x) for 16 lanes: Cody-Waite range reduction + degree-6 polynomial, ~1 ulp on [-87, 88].
 inline __m512 exp512(__m512 x) {
@@ -98,13 +102,16 @@ torch::Tensor matmul(const torch::Tensor& x, const Weight& weight) {
   PreparedX px;
   prepare_resize(px, w.type, M, w.k, x.data_ptr<float>(), x.stride(0));
   float* yp = y.data_ptr<float>();
-  const int64_t chunks = (w.n + kColChunk - 1) / kColChunk;
+  const int64_t chunks = (w.n + kColChunk - 1) / kColChunk, rblocks = (M + kRowBlock - 1) / kRowBlock;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) prepare_rows(px, m, m + 1);
 #pragma omp for schedule(static)
-    for (int64_t c = 0; c < chunks; c++) matmul_cols(w, px, yp, w.n, c * kColChunk, std::min(w.n, (c + 1) * kColChunk));
+    for (int64_t it = 0; it < rblocks * chunks; it++) {
+      const int64_t m0 = it / chunks * kRowBlock, n0 = it % chunks * kColChunk;
+      matmul_cols(w, px, yp, w.n, n0, std::min(w.n, n0 + kColChunk), m0, std::min(M, m0 + kRowBlock));
+    }
   }
   return y;
 }
@@ -147,72 +154,87 @@ class DecodeModel {
     TORCH_CHECK(cos_.size(1) == dh_ / 2 && cos_.scalar_type() == torch::kFloat32, "rotary table must be [P, Dh/2] fp32");
   }
 
-  // One decode token per sequence. kv: [num_blocks, L, 2, block_size, Hkv, Dh]. Returns logits [B, V] fp32.
-  torch::Tensor step(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& slots,
-                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens, const torch::Tensor& kv) {
-    const int64_t B = ids.size(0);
-    TORCH_CHECK(positions.size(0) == B && slots.size(0) == B && seq_lens.size(0) == B && block_tables.size(0) == B,
-                "ids, positions, slots, seq_lens and block_tables must agree on the batch size");
+  // Rows of tokens: decode tokens (one row of a sequence) and prefill chunks (consecutive rows of a
+  // sequence, in position order) alike. Row r is token ids[r] at position positions[r] of the
+  // sequence whose block table is block_tables[row_seq[r]]; it attends to positions 0..positions[r]
+  // of that sequence (the cache before this call, plus the rows of this call before it).
+  // kv: [num_blocks, L, 2, block_size, Hkv, Dh]. Returns logits [len(logit_rows), V] fp32 for the rows named.
+  torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& row_seq,
+                        const torch::Tensor& block_tables, const torch::Tensor& logit_rows, const torch::Tensor& kv) {
+    const int64_t NT = ids.size(0), S = block_tables.size(0), W = block_tables.size(1);
+    TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && row_seq.dim() == 1 && positions.size(0) == NT &&
+                    row_seq.size(0) == NT && block_tables.dim() == 2 && logit_rows.dim() == 1,
+                "ids, positions, row_seq: [T]; block_tables: [S, W]; logit_rows: [R]");
+    TORCH_CHECK(positions.scalar_type() == torch::kInt64 && row_seq.scalar_type() == torch::kInt32 &&
+                    block_tables.scalar_type() == torch::kInt32 && logit_rows.scalar_type() == torch::kInt64 &&
+                    positions.is_contiguous() && row_seq.is_contiguous() && block_tables.is_contiguous() &&
+                    logit_rows.is_contiguous(),
+                "positions/logit_rows int64, row_seq/block_tables int32, all contiguous");
     TORCH_CHECK(kv.dim() == 6 && kv.is_contiguous() && kv.size(1) == static_cast<int64_t>(layers_.size()) &&
                     kv.size(4) == hkv_ && kv.size(5) == dh_, "kv cache must be [blocks, L, 2, bs, Hkv, Dh], contiguous");
-    TORCH_CHECK(positions.scalar_type() == torch::kInt64 && slots.scalar_type() == torch::kInt64 &&
-                    block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
-                "positions/slots int64, block_tables/seq_lens int32");
     const int64_t* pos = positions.data_ptr<int64_t>();
-    const int32_t* lens = seq_lens.data_ptr<int32_t>();
-    for (int64_t b = 0; b < B; b++)
-      TORCH_CHECK(lens[b] == pos[b] + 1 && pos[b] < cos_.size(0) &&
-                      (lens[b] + kv.size(3) - 1) / kv.size(3) <= block_tables.size(1),
-                  "sequence ", b, ": seq_len must be position + 1, within the rotary table and its block table");
-    auto logits = torch::empty({B, head_.w.n}, torch::dtype(torch::kFloat32));
-    if (B == 0) return logits;
+    const int32_t* rs = row_seq.data_ptr<int32_t>();
+    const int32_t* tables = block_tables.data_ptr<int32_t>();
+    const int64_t bs = kv.size(3);
+    for (int64_t r = 0; r < NT; r++) {
+      TORCH_CHECK(rs[r] >= 0 && rs[r] < S && pos[r] >= 0 && pos[r] < cos_.size(0) && pos[r] / bs < W,
+                  "row ", r, ": sequence index, position within the rotary table and its block table");
+      if (r > 0 && rs[r] == rs[r - 1]) TORCH_CHECK(pos[r] == pos[r - 1] + 1, "row ", r, ": a chunk's positions must be consecutive");
+      for (int64_t i = 0; i <= pos[r] / bs; i++) {
+        const int32_t blk = tables[rs[r] * W + i];
+        TORCH_CHECK(blk >= 0 && blk < kv.size(0), "row ", r, ": block ", blk, " outside the cache");
+      }
+    }
+    const int64_t* lr = logit_rows.data_ptr<int64_t>();
+    for (int64_t i = 0; i < logit_rows.size(0); i++) TORCH_CHECK(lr[i] >= 0 && lr[i] < NT, "logit row out of range");
+    auto logits = torch::empty({logit_rows.size(0), head_.w.n}, torch::dtype(torch::kFloat32));
+    if (NT == 0) return logits;
     switch (kv.scalar_type()) {
-      case torch::kFloat32: run<float>(ids, positions, slots, block_tables, seq_lens, kv, logits); break;
-      case torch::kBFloat16: run<c10::BFloat16>(ids, positions, slots, block_tables, seq_lens, kv, logits); break;
-      case torch::kHalf: run<c10::Half>(ids, positions, slots, block_tables, seq_lens, kv, logits); break;
+      case torch::kFloat32: run<float>(ids, pos, rs, tables, W, lr, logit_rows.size(0), kv, logits); break;
+      case torch::kBFloat16: run<c10::BFloat16>(ids, pos, rs, tables, W, lr, logit_rows.size(0), kv, logits); break;
+      case torch::kHalf: run<c10::Half>(ids, pos, rs, tables, W, lr, logit_rows.size(0), kv, logits); break;
       default: TORCH_CHECK(false, "kv cache dtype must be float32, bfloat16 or float16");
     }
     return logits;
   }
 
  private:
-  struct Unit {  // attention work item: positions [t0, t1) of one kv head of one sequence
-    int64_t b, h, t0, t1;
+  struct Unit {  // attention work item: positions [t0, t1) of one kv head, for one row
+    int64_t r, h, t0, t1;
   };
 
   template <typename T>
-  void run(const torch::Tensor& ids_t, const torch::Tensor& pos_t, const torch::Tensor& slots_t,
-           const torch::Tensor& tables_t, const torch::Tensor& lens_t, const torch::Tensor& kv, torch::Tensor& logits) {
-    const int64_t B = ids_t.size(0), D = d_, F = f_, G = hq_ / hkv_, Dh = dh_;
+  void run(const torch::Tensor& ids_t, const int64_t* pos, const int32_t* rs, const int32_t* tables, int64_t tstride,
+           const int64_t* lr, int64_t R, const torch::Tensor& kv, torch::Tensor& logits) {
+    const int64_t NT = ids_t.size(0), D = d_, F = f_, G = hq_ / hkv_, Dh = dh_;
     const int64_t q_size = hq_ * Dh, kv_size = hkv_ * Dh, qkv_n = q_size + 2 * kv_size;
     const int64_t L = static_cast<int64_t>(layers_.size()), bs = kv.size(3);
     const int64_t s_block = kv.stride(0), s_layer = kv.stride(1), s_kv = kv.stride(2);
-    const int64_t* pos = pos_t.data_ptr<int64_t>();
-    const int64_t* slots = slots_t.data_ptr<int64_t>();
-    const int32_t* tables = tables_t.data_ptr<int32_t>();
-    const int64_t tstride = tables_t.stride(0);
-    const int32_t* lens = lens_t.data_ptr<int32_t>();
     T* cache = kv.data_ptr<T>();
     const float* cosp = cos_.data_ptr<float>();
     const float* sinp = sin_.data_ptr<float>();
 
-    // attention work items, and for each (sequence, kv head) the first of its items
+    // where each row's K and V go, its attention work items, and for each (row, kv head) the first item
+    std::vector<int64_t> slot(NT);
     std::vector<Unit> units;
-    std::vector<int64_t> first(B * hkv_ + 1);
-    for (int64_t b = 0; b < B; b++)
+    std::vector<int64_t> first(NT * hkv_ + 1);
+    for (int64_t r = 0; r < NT; r++) {
+      slot[r] = static_cast<int64_t>(tables[rs[r] * tstride + pos[r] / bs]) * bs + pos[r] % bs;
       for (int64_t h = 0; h < hkv_; h++) {
-        first[b * hkv_ + h] = static_cast<int64_t>(units.size());
-        for (int64_t t0 = 0; t0 < lens[b]; t0 += kPosChunk) units.push_back({b, h, t0, std::min<int64_t>(lens[b], t0 + kPosChunk)});
+        first[r * hkv_ + h] = static_cast<int64_t>(units.size());
+        for (int64_t t0 = 0; t0 <= pos[r]; t0 += kPosChunk) units.push_back({r, h, t0, std::min<int64_t>(pos[r] + 1, t0 + kPosChunk)});
       }
+    }
     const int64_t U = static_cast<int64_t>(units.size()), part = G * (Dh + 2);  // per unit: G x (max, sum, o[Dh])
-    first[B * hkv_] = U;
+    first[NT * hkv_] = U;
 
     auto f32 = torch::dtype(torch::kFloat32);
     torch::Tensor x_t = embed(ids_t, embed_);
-    auto h_t = torch::empty({B, D}, f32), qkv_t = torch::empty({B, qkv_n}, f32), attn_t = torch::empty({B, q_size}, f32);
-    auto tmp_t = torch::empty({B, D}, f32), act_t = torch::empty({B, F}, f32), part_t = torch::empty({U, part}, f32);
+    auto h_t = torch::empty({NT, D}, f32), qkv_t = torch::empty({NT, qkv_n}, f32), attn_t = torch::empty({NT, q_size}, f32);
+    auto tmp_t = torch::empty({NT, D}, f32), act_t = torch::empty({NT, F}, f32), part_t = torch::empty({U, part}, f32);
     const int nthreads = at::get_num_threads();
-    auto scores_t = torch::empty({nthreads, G, kPosChunk + Dh}, f32), gu_all = torch::empty({nthreads, B, 2 * kColChunk}, f32);
+    auto scores_t = torch::empty({nthreads, G, kPosChunk + Dh}, f32);
+    auto gu_all = torch::empty({nthreads, kRowBlock, 2 * kColChunk}, f32);
     float *x = x_t.data_ptr<float>(), *h = h_t.data_ptr<float>(), *qkv = qkv_t.data_ptr<float>();
     float *attn = attn_t.data_ptr<float>(), *tmp = tmp_t.data_ptr<float>(), *act = act_t.data_ptr<float>();
     float *parts = part_t.data_ptr<float>(), *scores_all = scores_t.data_ptr<float>(), *gu_buf = gu_all.data_ptr<float>();
@@ -220,68 +242,77 @@ class DecodeModel {
     const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
     const float* fnorm = final_norm_.data_ptr<float>();
     const LayerWeights& l0 = layers_[0];
-    prepare_resize(px_qkv_, l0.qkv.w.type, B, D, h, D);
-    prepare_resize(px_o_, l0.o.w.type, B, q_size, attn, q_size);
-    prepare_resize(px_gu_, l0.gate_up.w.type, B, D, h, D);
-    prepare_resize(px_down_, l0.down.w.type, B, F, act, F);
-    prepare_resize(px_head_, head_.w.type, B, D, h, D);
+    prepare_resize(px_qkv_, l0.qkv.w.type, NT, D, h, D);
+    prepare_resize(px_o_, l0.o.w.type, NT, q_size, attn, q_size);
+    prepare_resize(px_gu_, l0.gate_up.w.type, NT, D, h, D);
+    prepare_resize(px_down_, l0.down.w.type, NT, F, act, F);
+    prepare_resize(px_head_, head_.w.type, R, D, h, D);
+    const int64_t rblocks = (NT + kRowBlock - 1) / kRowBlock, fchunks = (F + kColChunk - 1) / kColChunk;
 
 #pragma omp parallel num_threads(nthreads)
     {
       const int tid = omp_get_thread_num();
       float* scores = scores_all + tid * G * (kPosChunk + Dh);
       float* qrot = scores + G * kPosChunk;  // [G * Dh] rotated queries of the unit in hand
-      float* gu = gu_buf + tid * B * 2 * kColChunk;
+      float* gu = gu_buf + tid * kRowBlock * 2 * kColChunk;
       for (int64_t l = 0; l < L; l++) {
         const LayerWeights& lw = layers_[l];
         const float* an = lw.attn_norm.data_ptr<float>();
         const float* mn = lw.mlp_norm.data_ptr<float>();
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; b++) {
-          rmsnorm_row(x + b * D, an, h + b * D, D, eps_);
-          prepare_rows(px_qkv_, b, b + 1);
+        for (int64_t r = 0; r < NT; r++) {
+          rmsnorm_row(x + r * D, an, h + r * D, D, eps_);
+          prepare_rows(px_qkv_, r, r + 1);
         }
         columns(lw.qkv.w, px_qkv_, qkv, qkv_n, nullptr);
-        // attention partials: each unit rotates its sequence's queries; the unit holding the new
-        // position also rotates the new key and writes the key and value to their slot first
+        // every row's rotated key and its value into the cache, before any row attends
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < NT; r++) {
+          const float* row = qkv + r * qkv_n;
+          const float* c = cosp + pos[r] * (Dh / 2);
+          const float* sn = sinp + pos[r] * (Dh / 2);
+          T* dst = cache + (slot[r] / bs) * s_block + l * s_layer + (slot[r] % bs) * kv_size;
+          for (int64_t kh = 0; kh < hkv_; kh++) {
+            float krot[256];
+            rotate(row + q_size + kh * Dh, c, sn, krot, Dh);
+            store_cache(dst + kh * Dh, krot, Dh);
+            store_cache(dst + s_kv + kh * Dh, row + q_size + kv_size + kh * Dh, Dh);
+          }
+        }
+        // attention partials: each unit rotates its row's queries of one kv head
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < U; u++) {
           const Unit& un = units[u];
-          const float* row = qkv + un.b * qkv_n;
-          const float* c = cosp + pos[un.b] * (Dh / 2);
-          const float* sn = sinp + pos[un.b] * (Dh / 2);
+          const float* row = qkv + un.r * qkv_n;
+          const float* c = cosp + pos[un.r] * (Dh / 2);
+          const float* sn = sinp + pos[un.r] * (Dh / 2);
           for (int64_t g = 0; g < G; g++) rotate(row + (un.h * G + g) * Dh, c, sn, qrot + g * Dh, Dh);
-          if (un.t1 == lens[un.b]) {
-            float krot[256];
-            rotate(row + q_size + un.h * Dh, c, sn, krot, Dh);
-            T* slot = cache + (slots[un.b] / bs) * s_block + l * s_layer + (slots[un.b] % bs) * kv_size + un.h * Dh;
-            store_cache(slot, krot, Dh);
-            store_cache(slot + s_kv, row + q_size + kv_size + un.h * Dh, Dh);
-          }
-          attend_unit(un, qrot, tables + un.b * tstride, cache + l * s_layer, s_block, s_kv, bs, kv_size, scale, scores,
-                      parts + u * part);
+          attend_unit(un, qrot, tables + rs[un.r] * tstride, cache + l * s_layer, s_block, s_kv, bs, kv_size, scale,
+                      scores, parts + u * part);
         }
-        // merge the partials of each (sequence, kv head), in position order
+        // merge the partials of each (row, kv head), in position order
 #pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < B * hkv_; bh++)
-          merge(parts, part, first[bh], first[bh + 1], attn + (bh / hkv_) * q_size + (bh % hkv_) * G * Dh, G);
+        for (int64_t rh = 0; rh < NT * hkv_; rh++)
+          merge(parts, part, first[rh], first[rh + 1], attn + (rh / hkv_) * q_size + (rh % hkv_) * G * Dh, G);
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; b++) prepare_rows(px_o_, b, b + 1);
+        for (int64_t r = 0; r < NT; r++) prepare_rows(px_o_, r, r + 1);
         columns(lw.o.w, px_o_, tmp, D, x);
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; b++) {
-          rmsnorm_row(x + b * D, mn, h + b * D, D, eps_);
-          prepare_rows(px_gu_, b, b + 1);
+        for (int64_t r = 0; r < NT; r++) {
+          rmsnorm_row(x + r * D, mn, h + r * D, D, eps_);
+          prepare_rows(px_gu_, r, r + 1);
         }
-        // gate|up for a chunk of columns, then silu(gate) * up for that chunk
+        // gate|up for a block of rows and a chunk of columns, then silu(gate) * up for that chunk
 #pragma omp for schedule(static)
-        for (int64_t c0 = 0; c0 < F; c0 += kColChunk) {
-          const int64_t c1 = std::min(F, c0 + kColChunk), w = c1 - c0;
-          matmul_cols(lw.gate_up.w, px_gu_, gu - c0, 2 * kColChunk, c0, c1);
-          matmul_cols(lw.gate_up.w, px_gu_, gu + kColChunk - (F + c0), 2 * kColChunk, F + c0, F + c1);
-          for (int64_t b = 0; b < B; b++) {
-            const float* g = gu + b * 2 * kColChunk;
-            float* a = act + b * F + c0;
+        for (int64_t it = 0; it < rblocks * fchunks; it++) {
+          const int64_t m0 = it / fchunks * kRowBlock, m1 = std::min(NT, m0 + kRowBlock);
+          const int64_t c0 = it % fchunks * kColChunk, c1 = std::min(F, c0 + kColChunk), w = c1 - c0;
+          constexpr int64_t ld = 2 * kColChunk;
+          matmul_cols(lw.gate_up.w, px_gu_, gu - m0 * ld - c0, ld, c0, c1, m0, m1);
+          matmul_cols(lw.gate_up.w, px_gu_, gu - m0 * ld + kColChunk - (F + c0), ld, F + c0, F + c1, m0, m1);
+          for (int64_t m = m0; m < m1; m++) {
+            const float* g = gu + (m - m0) * ld;
+            float* a = act + m * F + c0;
             if (w == 16) {  // silu(g) * up = g * up / (1 + exp(-g))
               const __m512 gv = _mm512_loadu_ps(g);
               const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
@@ -292,28 +323,30 @@ class DecodeModel {
           }
         }
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; b++) prepare_rows(px_down_, b, b + 1);
+        for (int64_t r = 0; r < NT; r++) prepare_rows(px_down_, r, r + 1);
         columns(lw.down.w, px_down_, tmp, D, x);
       }
+      // the head only for the rows whose next token is wanted (h is free again: it holds them compactly)
 #pragma omp for schedule(static)
-      for (int64_t b = 0; b < B; b++) {
-        rmsnorm_row(x + b * D, fnorm, h + b * D, D, eps_);
-        prepare_rows(px_head_, b, b + 1);
+      for (int64_t i = 0; i < R; i++) {
+        rmsnorm_row(x + lr[i] * D, fnorm, h + i * D, D, eps_);
+        prepare_rows(px_head_, i, i + 1);
       }
       columns(head_.w, px_head_, out, head_.w.n, nullptr);
     }
   }
 
-  // y = x @ w^T over column chunks split across the team (ends in a barrier); with `residual`,
-  // each chunk is also added into residual[:, chunk] (y is then scratch).
+  // y = x @ w^T over (row block, column chunk) items split across the team (ends in a barrier);
+  // with `residual`, each item is also added into residual[rows, chunk] (y is then scratch).
   static void columns(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, float* residual) {
-    const int64_t chunks = (w.n + kColChunk - 1) / kColChunk;
+    const int64_t chunks = (w.n + kColChunk - 1) / kColChunk, rblocks = (px.M + kRowBlock - 1) / kRowBlock;
 #pragma omp for schedule(static)
-    for (int64_t c = 0; c < chunks; c++) {
-      const int64_t n0 = c * kColChunk, n1 = std::min(w.n, n0 + kColChunk);
-      matmul_cols(w, px, y, ldy, n0, n1);
+    for (int64_t it = 0; it < rblocks * chunks; it++) {
+      const int64_t m0 = it / chunks * kRowBlock, m1 = std::min(px.M, m0 + kRowBlock);
+      const int64_t n0 = it % chunks * kColChunk, n1 = std::min(w.n, n0 + kColChunk);
+      matmul_cols(w, px, y, ldy, n0, n1, m0, m1);
       if (residual != nullptr)
-        for (int64_t m = 0; m < px.M; m++)
+        for (int64_t m = m0; m < m1; m++)
           for (int64_t n = n0; n < n1; n++) residual[m * ldy + n] += y[m * ldy + n];
     }
   }
@@ -363,6 +396,29 @@ class DecodeModel {
       pr[g * (Dh + 2)] = mx[g];
       pr[g * (Dh + 2) + 1] = _mm512_reduce_add_ps(sum) + tail;
       for (int64_t i = 0; i < Dh; i++) pr[g * (Dh + 2) + 2 + i] = 0.0f;
+    }
+    // o[g] = sum_t p[g, t] v[t], t in order. Head size 64 with up to 4 query heads per kv head keeps
+    // the sums in registers; the general loop below does the same operations in the same order.
+    if (Dh == 64 && G <= 4) {
+      __m512 acc[4][4];
+      for (int g = 0; g < 4; g++)
+        for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
+      for (int64_t t = 0; t < n; t++) {
+        const int64_t p = un.t0 + t;
+        const T* v = layer_cache + table[p / bs] * s_block + s_kv + (p % bs) * kv_size + un.h * Dh;
+        const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
+        for (int g = 0; g < 4; g++) {
+          if (g >= G) break;
+          const __m512 w = _mm512_set1_ps(scores[g * kPosChunk + t]);
+          acc[g][0] = _mm512_fmadd_ps(w, v0, acc[g][0]);
+          acc[g][1] = _mm512_fmadd_ps(w, v1, acc[g][1]);
+          acc[g][2] = _mm512_fmadd_ps(w, v2, acc[g][2]);
+          acc[g][3] = _mm512_fmadd_ps(w, v3, acc[g][3]);
+        }
+      }
+      for (int64_t g = 0; g < G; g++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(pr + g * (Dh + 2) + 2 + 16 * c, acc[g][c]);
+      return;
     }
     for (int64_t t = 0; t < n; t++) {
       const int64_t p = un.t0 + t;
@@ -418,5 +474,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeModel>(m, "DecodeModel")
       .def(py::init<int64_t, int64_t, int64_t, double, std::vector<Weight>, std::vector<torch::Tensor>, Weight, Weight,
                     torch::Tensor, torch::Tensor, torch::Tensor>())
-      .def("step", &DecodeModel::step, py::call_guard<py::gil_scoped_release>());
+      .def("forward", &DecodeModel::forward, py::call_guard<py::gil_scoped_release>());
 }
