@@ -1,25 +1,44 @@
-"""Model-level benchmark: prefill and decode speed of the engine on the real model, with the memory
-bandwidth of this machine measured in the same run so decode MBU can be stated.
+"""The engine beside llama.cpp on the same GGUF and the same threads, alternated A B B A in one run.
 
-    .venv/bin/python benchmarks/bench_model.py [--dtype float32|bfloat16] [--repeats 3] [--json out.json]
+    .venv/bin/python benchmarks/bench_model.py [--rounds 2] [--threads 2] [--json out.json]
+                                               [--llama-bench PATH] [--no-peer]
 
-Prints a markdown table. Absolute numbers drift on shared machines: compare within one run.
+pdserve's engine (the default configuration: the file's weight blocks, the fused forward, bf16 KV)
+and `llama-bench` (built by `benchmarks/build_llama_server.sh`) take turns: pdserve, llama, llama,
+pdserve, … so drift on a shared machine hits both alike. Measured each turn:
+
+- decode tok/s at batch 1 with 128 and 2,000 tokens of context (llama-bench: tg128 at depth 0 and
+  2,000), and pdserve's decode at batch 8, 16 and 32;
+- prefill tok/s of a 512- and a 2,000-token prompt, from cold (llama-bench: pp512, pp2000);
+- MBU at batch 1: the weight bytes one step reads (the file's blocks, the head whole) plus the KV
+  bytes it reads, per second, over the read bandwidth measured in the same turn;
+- `LLMEngine.generate` end to end (128 tokens, sampling, detokenization, stop checks) against the
+  raw step rate: the engine's overhead.
+
+Prints a markdown table of medians and pdserve ÷ llama ratios; `--json` writes every turn.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from shared.config import EngineConfig
 from shared.engine.engine import LLMEngine
+from shared.model.hub import pdserve_home, resolve_model_path
+from shared.model.quant import QuantLinear
 from shared.model.sampling import SamplingParams
+
+DECODE_STEPS = 32
 
 
 def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
@@ -34,23 +53,14 @@ def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def decode_weight_bytes(model, batch: int) -> int:
-    """Bytes of weights one decode step of `batch` rows reads: every parameter and buffer, except
-    that only one row per token is read from the embedding and rotary tables (so they don't count,
-    unless the embedding doubles as the output head, which reads it whole), and an int8 layer reads
-    either its int8 matrix or its dense one, depending on the batch."""
-    from shared.model.quant import Int8Linear
-
-    skip = {id(model.embed_tokens.weight), id(model.rope.cos), id(model.rope.sin)}
-    for m in model.modules():
-        if isinstance(m, Int8Linear):
-            unused = (m.dense,) if batch < Int8Linear.DENSE_FROM_ROWS else (m.qweight, m.scale)
-            skip |= {id(t) for t in unused}
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in skip}
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    if model.lm_head is None:
-        total += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    return total
+def step_weight_bytes(model) -> int:
+    """Weight bytes one decode step reads: every projection's blocks, the head whole (tied: the
+    embedding matrix, of which the lookup reads one more row), the norms."""
+    linears = {id(m): m for m in model.modules() if isinstance(m, QuantLinear)}
+    total = sum(m.qweight.numel() * m.qweight.element_size() for m in linears.values())
+    norms = [model.norm.weight] + [p for layer in model.layers
+                                   for p in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+    return total + sum(p.numel() * 4 for p in norms)
 
 
 def random_prompt(n: int, seed: int, vocab: int) -> list[int]:
@@ -58,91 +68,144 @@ def random_prompt(n: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(100, vocab, (n,), generator=g).tolist()
 
 
-def bench_prefill(engine: LLMEngine, n_tokens: int, repeats: int) -> float:
-    """Seconds to prefill an `n_tokens` prompt from cold (prefix cache reset each time)."""
-    times = []
-    for r in range(repeats):
-        engine.pool.reset_prefix_cache()
-        engine.add_request(f"prefill-{r}", random_prompt(n_tokens, r, engine.model.config.vocab_size),
-                           SamplingParams(temperature=0.0, max_tokens=1))
-        t0 = time.perf_counter()
-        while engine.has_unfinished():
-            engine.step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def prefill_seconds(engine: LLMEngine, n: int, seed: int) -> float:
+    engine.pool.reset_prefix_cache()
+    engine.add_request(f"pp{n}-{seed}", random_prompt(n, seed, engine.model.config.vocab_size),
+                       SamplingParams(temperature=0.0, max_tokens=1))
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - t0
 
 
-def bench_decode(engine: LLMEngine, batch: int, context: int, steps: int) -> float:
-    """Seconds per decode step for `batch` sequences at ~`context` tokens of context."""
-    params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)  # aborted after timing
-    for i in range(batch):
-        engine.add_request(f"dec-{batch}-{i}", random_prompt(context, 1000 + i, engine.model.config.vocab_size), params)
+def decode_step_seconds(engine: LLMEngine, batch: int, context: int, seed: int) -> float:
+    """Seconds per decode step of `batch` sequences starting at `context` tokens."""
+    vocab = engine.model.config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS + 2, ignore_eos=True)
+    ids = [f"tg{batch}-{context}-{seed}-{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, random_prompt(context, seed * 1000 + i, vocab), params)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running + list(engine.scheduler.waiting)):
-        engine.step()  # prefill everything first
+        engine.step()  # prefill everything first (not timed)
     engine.step()
     t0 = time.perf_counter()
-    for _ in range(steps):
-        outs = engine.step()
-        assert len(outs) == batch, "every sequence decodes one token per step"
-    dt = (time.perf_counter() - t0) / steps
-    for i in range(batch):
-        engine.abort(f"dec-{batch}-{i}")
+    for _ in range(DECODE_STEPS):
+        assert len(engine.step()) == batch, "every sequence decodes one token per step"
+    dt = (time.perf_counter() - t0) / DECODE_STEPS
+    while engine.has_unfinished():
+        engine.step()
     return dt
 
 
+def generate_overhead(engine: LLMEngine, step_s: float, seed: int) -> float:
+    """generate()'s time per token after the first, over the raw step time at batch 1 (1.0 = no overhead)."""
+    prompt = random_prompt(128, seed, engine.model.config.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS + 1, ignore_eos=True)
+    engine.pool.reset_prefix_cache()
+    t0 = time.perf_counter()
+    engine.generate([prompt], params)
+    total = time.perf_counter() - t0
+    first = prefill_seconds(engine, 128, seed)  # the same prompt cold again: its prefill's share
+    return (total - first) / DECODE_STEPS / step_s
+
+
+def pdserve_turn(engine: LLMEngine, seed: int) -> dict:
+    cfg = engine.model.config
+    kv_per_token = cfg.kv_values_per_token * engine.kv_cache.data.element_size()
+    weights = step_weight_bytes(engine.model)
+    bw = measure_bandwidth()
+    out: dict = {"bandwidth_GBps": bw}
+    for ctx in (128, 2000):
+        s = decode_step_seconds(engine, 1, ctx, seed)
+        kv = (ctx + DECODE_STEPS / 2) * kv_per_token
+        out[f"tg_b1_ctx{ctx}"] = 1 / s
+        out[f"mbu_b1_ctx{ctx}"] = (weights + kv) / s / (bw * 1e9)
+        if ctx == 128:
+            out["generate_overhead"] = generate_overhead(engine, s, seed)
+    for b in (8, 16, 32):
+        out[f"tg_b{b}_ctx128"] = b / decode_step_seconds(engine, b, 128, seed)
+    for n in (512, 2000):
+        out[f"pp{n}"] = n / prefill_seconds(engine, n, seed)
+    return out
+
+
+def llama_turn(binary: str, model: Path, threads: int) -> dict:
+    """llama-bench's pp512, pp2000, tg128 and tg128 at depth 2,000 (tok/s, its own mean of 3 runs)."""
+    out = {}
+    runs = [(["-p", "512,2000", "-n", "0"], None), (["-p", "0", "-n", "128"], 128), (["-p", "0", "-n", "128", "-d", "2000"], 2000)]
+    for args, ctx in runs:
+        cmd = [binary, "-m", str(model), "-t", str(threads), "-r", "3", "-o", "json", *args]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        if res.returncode != 0:
+            print(f"llama-bench {' '.join(args)} failed: {res.stderr.strip()[-300:]}", file=sys.stderr)
+            continue
+        for row in json.loads(res.stdout):
+            if row["n_gen"] == 0:
+                out[f"pp{row['n_prompt']}"] = row["avg_ts"]
+            else:
+                out[f"tg_b1_ctx{ctx}"] = row["avg_ts"]
+    return out
+
+
+ROWS = [("tg_b1_ctx128", "decode, batch 1, context 128 (tok/s)"), ("tg_b1_ctx2000", "decode, batch 1, context 2,000 (tok/s)"),
+        ("mbu_b1_ctx128", "MBU, batch 1, context 128"), ("mbu_b1_ctx2000", "MBU, batch 1, context 2,000"),
+        ("tg_b8_ctx128", "decode, batch 8 (tok/s)"), ("tg_b16_ctx128", "decode, batch 16 (tok/s)"),
+        ("tg_b32_ctx128", "decode, batch 32 (tok/s)"), ("pp512", "prefill, 512 tokens (tok/s)"),
+        ("pp2000", "prefill, 2,000 tokens (tok/s)"), ("generate_overhead", "generate() per token ÷ raw step"),
+        ("bandwidth_GBps", "read bandwidth in the same turn (GB/s)")]
+
+
+def report(turns: list[dict]) -> str:
+    def med(system: str, key: str) -> float | None:
+        vals = [t[key] for t in turns if t["system"] == system and key in t]
+        return statistics.median(vals) if vals else None
+
+    def ratio(key: str) -> str:
+        rs = []  # turns pair up as (P, L), (L, P), …: one ratio per adjacent pair
+        for a, b in zip(turns[::2], turns[1::2]):
+            pd, ll = (a, b) if a["system"] == "pdserve" else (b, a)
+            if ll["system"] == "llama" and key in pd and key in ll:
+                rs.append(pd[key] / ll[key])
+        return f"{statistics.median(rs):.2f}× ({min(rs):.2f}–{max(rs):.2f})" if rs else "–"
+
+    lines = ["| measure | pdserve | llama.cpp | pdserve ÷ llama.cpp (adjacent turns: median, range) |", "|---|---|---|---|"]
+    for key, label in ROWS:
+        p, q = med("pdserve", key), med("llama", key)
+        fmt = (lambda v: "–" if v is None else (f"{100 * v:.0f}%" if key.startswith("mbu") else f"{v:.2f}" if key == "generate_overhead" else f"{v:.1f}"))
+        lines.append(f"| {label} | {fmt(p)} | {fmt(q)} | {ratio(key) if not key.startswith(('mbu', 'gen', 'band')) else '–'} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--quantization", default="int8", help="int8 | none")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--prefill-tokens", type=int, default=2000)
-    ap.add_argument("--context", type=int, default=500)
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="A B B A rounds (each: two turns of each system)")
+    ap.add_argument("--llama-bench", default=str(pdserve_home() / "llama.cpp" / "build" / "bin" / "llama-bench"))
+    ap.add_argument("--no-peer", action="store_true", help="pdserve only")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    quant = None if args.quantization == "none" else args.quantization
-    cfg = EngineConfig(model=args.model, dtype=args.dtype, quantization=quant, num_threads=args.threads, num_kv_blocks=1536,
-                       max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False)
-    engine = LLMEngine.from_config(cfg)
-    mcfg = engine.model.config
-    params = sum(p.numel() for p in engine.model.parameters())
-    elem = torch.tensor([], dtype=cfg.torch_dtype).element_size()
-    kv_bytes_per_token = mcfg.kv_values_per_token * elem
-    bw = measure_bandwidth()
-
-    results = {"dtype": args.dtype, "quantization": args.quantization, "threads": torch.get_num_threads(), "params": params,
-               "bandwidth_GBps": bw, "decode": {}}
-    prefill_s = bench_prefill(engine, args.prefill_tokens, args.repeats)
-    results["prefill_tok_s"] = args.prefill_tokens / prefill_s
-    for b in (int(x) for x in args.batches.split(",")):
-        per_step = statistics.median(bench_decode(engine, b, args.context, args.steps) for _ in range(args.repeats))
-        step_bytes = decode_weight_bytes(engine.model, b) + b * (args.context + args.steps / 2) * kv_bytes_per_token
-        results["decode"][b] = {
-            "step_ms": per_step * 1e3,
-            "tok_s": b / per_step,
-            "mbu": step_bytes / per_step / (bw * 1e9),
-        }
+    torch.set_num_threads(args.threads)
+    model_path = resolve_model_path(args.model)
+    peer = not args.no_peer and os.access(args.llama_bench, os.X_OK)
+    if not peer and not args.no_peer:
+        print(f"no llama-bench at {args.llama_bench}: run benchmarks/build_llama_server.sh (pdserve only)", file=sys.stderr)
+    engine = LLMEngine.from_config(EngineConfig(model=str(model_path), num_threads=args.threads, num_kv_blocks=2048,
+                                                max_num_seqs=64, max_num_batched_tokens=2048))
+    order = ["pdserve", "llama", "llama", "pdserve"] * args.rounds if peer else ["pdserve"] * (2 * args.rounds)
+    turns = []
+    for i, system in enumerate(order):
+        print(f"turn {i + 1}/{len(order)}: {system}", file=sys.stderr, flush=True)
+        t = pdserve_turn(engine, seed=i + 1) if system == "pdserve" else llama_turn(args.llama_bench, model_path, args.threads)
+        turns.append({"system": system, **t})
     engine.pool.check_invariants()
-    results["peak_rss_MiB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-    print(f"# pdserve engine, {mcfg.name}, {args.dtype} + {args.quantization} weights, {results['threads']} threads, torch {torch.__version__}")
-    print(f"memory read bandwidth (1 GiB fp32 sum, best of 5): {bw:.1f} GB/s")
-    print(f"weights read per decode step: {decode_weight_bytes(engine.model, 1) / 1e6:.0f} MB at batch 1, "
-          f"{decode_weight_bytes(engine.model, 32) / 1e6:.0f} MB at batch 32; KV per token {kv_bytes_per_token / 1e3:.1f} KB\n")
-    print("| measure | value |\n|---|---|")
-    print(f"| prefill, {args.prefill_tokens}-token prompt | {results['prefill_tok_s']:.0f} tok/s "
-          f"({prefill_s * 1e3:.0f} ms) |")
-    for b, r in results["decode"].items():
-        print(f"| decode, batch {b}, context ~{args.context} | {r['tok_s']:.1f} tok/s "
-              f"({r['step_ms']:.1f} ms/step, MBU {100 * r['mbu']:.0f}%) |")
-    print(f"| peak RSS | {results['peak_rss_MiB']:.0f} MiB |")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"# pdserve engine vs llama.cpp, {model_path.name}, {args.threads} threads, {len(order)} turns "
+          f"({' '.join(s[0].upper() for s in order)}); pdserve peak RSS {rss:.0f} MiB\n")
+    print(report(turns))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+        Path(args.json).write_text(json.dumps({"turns": turns, "peak_rss_MiB": rss}, indent=1))
     return 0
 
 

@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=int(env("PDSERVE_MAX_BODY_BYTES", defaults.max_body_bytes)))
     p.add_argument("--default-max-tokens", type=int,
                    default=int(env("PDSERVE_DEFAULT_MAX_TOKENS", defaults.default_max_tokens)))
+    p.add_argument("--queue-timeout", type=float, default=float(env("PDSERVE_QUEUE_TIMEOUT", defaults.queue_timeout_s)),
+                   help="seconds a request may wait for a worker to take its job")
     p.add_argument("--inactivity-timeout", type=float,
                    default=float(env("PDSERVE_INACTIVITY_TIMEOUT", defaults.inactivity_timeout_s)))
     p.add_argument("--max-migrations", type=int,
@@ -64,7 +66,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         served_model_name=args.served_model_name,
         max_model_len=args.max_model_len, mode=args.mode, conditional_threshold=args.conditional_threshold,
         max_concurrent_requests=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes,
-        default_max_tokens=args.default_max_tokens, inactivity_timeout_s=args.inactivity_timeout,
+        default_max_tokens=args.default_max_tokens, inactivity_timeout_s=args.inactivity_timeout, queue_timeout_s=args.queue_timeout,
         max_migrations=args.max_migrations,
         request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace, api_key=args.api_key,
         log_level=args.log_level,

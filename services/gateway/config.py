@@ -34,6 +34,9 @@ class GatewayConfig(ConnectionConfig):
     max_body_bytes: int = 4 * 1024 * 1024  # request bodies above it → 413
     default_max_tokens: int = 1024  # cap on max_tokens when a request leaves it out
     inactivity_timeout_s: float = 60.0  # no TokenEvent for this long → error, Cancel published
+    # a job no worker has taken yet is queued, not stalled: it waits this long for one (bounded by
+    # the deadline), so a burst of long prompts queues behind the prefill pool instead of failing
+    queue_timeout_s: float = 300.0
     max_migrations: int = 2  # a dead decode worker's request is resubmitted this often, then fails
     worker_dead_s: float = 3.0  # no heartbeat from the worker streaming a request for this long: dead
     request_timeout_s: float = 600.0  # overall deadline (also PrefillJob.deadline)
@@ -54,7 +57,7 @@ class GatewayConfig(ConnectionConfig):
         for name in ("max_concurrent_requests", "max_body_bytes", "default_max_tokens", "conditional_threshold"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"gateway config: {name} must be positive, got {getattr(self, name)}")
-        for name in ("inactivity_timeout_s", "request_timeout_s", "publish_timeout_s", "worker_alive_s",
+        for name in ("inactivity_timeout_s", "queue_timeout_s", "request_timeout_s", "publish_timeout_s", "worker_alive_s",
                      "worker_stats_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"gateway config: {name} must be positive, got {getattr(self, name)}")

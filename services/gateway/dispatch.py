@@ -61,7 +61,7 @@ class RequestChannel:
     redelivered by JetStream instead."""
 
     def __init__(self, nc: NATS, request_id: str, *, inactivity_timeout_s: float, deadline_s: float,
-                 resubmit=None, silent_for=None, role_of=None, max_migrations: int = 0,
+                 queue_timeout_s: float | None = None, resubmit=None, silent_for=None, role_of=None, max_migrations: int = 0,
                  worker_dead_s: float = 3.0, on_close=None) -> None:
         self.request_id = request_id
         self._on_close = on_close  # called once with this channel when it closes (the open-channel registry)
@@ -75,6 +75,10 @@ class RequestChannel:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._sub = None
         self._inactivity_timeout_s = inactivity_timeout_s
+        # until a worker takes the current attempt's job (its first event), the job is queued: it may
+        # wait queue_timeout_s (while NATS is up) instead of the inactivity timeout
+        self._queue_timeout_s = max(inactivity_timeout_s, queue_timeout_s or 0.0)
+        self._queued = True
         self._deadline = time.monotonic() + deadline_s
         self._deadline_s = deadline_s
         self._finished = False  # a final event arrived: the workers are done with the request
@@ -157,15 +161,21 @@ class RequestChannel:
             if remaining <= 0:
                 raise StreamError(ErrorCode.TIMEOUT, f"request exceeded its {self._deadline_s:g} s deadline")
             idle = now - self._last_event
-            if idle >= self._inactivity_timeout_s:
-                if not self._nc.is_connected:  # say why: the bus is down, not the workers slow
+            connected = self._nc.is_connected
+            limit = self._queue_timeout_s if self._queued and connected else self._inactivity_timeout_s
+            if idle >= limit:
+                if not connected:  # say why: the bus is down, not the workers slow
                     raise StreamError(ErrorCode.UNAVAILABLE, f"no tokens from the workers for "
                                       f"{self._inactivity_timeout_s:g} s: the gateway lost its connection to NATS")
+                if self._queued:
+                    raise StreamError(ErrorCode.TIMEOUT, f"no worker took the request within {limit:g} s")
                 raise StreamError(ErrorCode.TIMEOUT, f"no tokens from the workers for {self._inactivity_timeout_s:g} s")
-            wait = min(remaining, self._inactivity_timeout_s - idle, 1.0)  # wake every second to check
+            wait = min(remaining, limit - idle, 1.0)  # wake every second to check
             try:
                 item = await asyncio.wait_for(self._queue.get(), wait)
                 self._last_event = time.monotonic()
+                if isinstance(item, TokenEvent) and item.attempt >= self.migrations:
+                    self._queued = False  # a worker has the job (a "taken" notice or tokens)
                 return item
             except TimeoutError:
                 await self._migrate_if_worker_died()
@@ -187,6 +197,7 @@ class RequestChannel:
         await self._nc.publish(subjects.cancel(self.request_id), encode(cancel))
         self.migrations += 1
         self._worker = ""
+        self._queued = True  # the resubmitted job waits in the queue again
         log.warning("request %s: %s after %d tokens; resubmitting (migration %d)",
                     self.request_id, why, self._seen, self.migrations)
         try:
@@ -267,6 +278,7 @@ class Dispatcher:
 
         channel = RequestChannel(
             self._nc, request_id, inactivity_timeout_s=cfg.inactivity_timeout_s, deadline_s=cfg.request_timeout_s,
+            queue_timeout_s=cfg.queue_timeout_s,
             resubmit=resubmit, silent_for=self._workers.silent_for if self._workers is not None else None,
             role_of=self._workers.role_of if self._workers is not None else None,
             max_migrations=cfg.max_migrations, worker_dead_s=cfg.worker_dead_s, on_close=self._closed)

@@ -81,6 +81,7 @@ class PrefillWorker(WorkerRuntime):
             params = await self.params_or_reject(msg, rid, job.params, index, index)
             if params is None:
                 return
+            await self.publish_tokens(rid, index, [])  # "taken": the gateway's wait is no longer a queue wait
             await self._run_job(job, params, index, taken)
             keep_alive.cancel()
             await msg.ack()

@@ -116,8 +116,8 @@ def _service_name(argv: list[str]) -> str | None:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    up = start_up(tmp_path_factory.mktemp("up"), "--prefill", "1", "--decode", "2", "--dtype", "float32",
-                  "--quantization", "none", "--gateway-arg=--inactivity-timeout=30", "--gateway-arg=--shutdown-grace=3",
+    up = start_up(tmp_path_factory.mktemp("up"), "--prefill", "1", "--decode", "2",
+                  "--gateway-arg=--inactivity-timeout=30", "--gateway-arg=--shutdown-grace=3",
                   "--worker-arg=--ack-wait=3", "--worker-arg=--lease-ttl=10")
     try:
         wait_up_healthy(up)
@@ -342,7 +342,7 @@ def test_child_crashing_at_once_makes_up_exit_with_its_error(tmp_path):
 def test_crash_loop_while_serving_ends_open_streams_with_an_error_then_up_exits_1(tmp_path):
     """decode-0 dies right after each start (killed here, 3 times in a row): `up` gives up, but
     first its gateway ends every open stream with an error event; then exit 1, nothing left."""
-    up = start_up(tmp_path, "--dtype", "float32", "--quantization", "none", "--gateway-arg=--shutdown-grace=1")
+    up = start_up(tmp_path, "--gateway-arg=--shutdown-grace=1")
     try:
         wait_up_healthy(up)
         streams = Streams(up.url, [f"Write a long essay about the stone number {i}." for i in range(2)], 1000)
