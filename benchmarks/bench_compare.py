@@ -260,14 +260,14 @@ def _counts(summary: dict) -> dict:
 PROBE = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from bench_model import decode_weight_bytes, measure_bandwidth
+from bench_model import measure_bandwidth, step_weight_bytes
 out = {"bandwidth_GBps": measure_bandwidth()}
 if sys.argv[3] == "1":
     from shared.config import EngineConfig
     from shared.engine.engine import LLMEngine
-    # what `pdserve up` runs by default: bf16 activations, int8 projections
-    engine = LLMEngine.from_config(EngineConfig(model=sys.argv[2], dtype="bfloat16", quantization="int8", num_kv_blocks=64))
-    out["pdserve_weight_bytes_b1"] = decode_weight_bytes(engine.model, 1)
+    # what `pdserve up` runs by default: the file's weight blocks, fp32 activations
+    engine = LLMEngine.from_config(EngineConfig(model=sys.argv[2], num_kv_blocks=64))
+    out["pdserve_weight_bytes_b1"] = step_weight_bytes(engine.model)
     out["kv_values_per_token"] = engine.model.config.kv_values_per_token
 print(json.dumps(out))
 """

@@ -2,7 +2,7 @@
 prompts arriving disturb the inter-token latency (ITL) of streams that are decoding (chunked prefill
 on / off).
 
-    /tmp/venv0/bin/python benchmarks/bench_engine.py [--quick] [--dtype float32 --quantization none]
+    .venv/bin/python benchmarks/bench_engine.py [--quick] [--dtype float32 --quantization none]
                                                      [--threads N] [--out benchmarks/results/engine.md]
 
 One process steps one `LLMEngine` in a loop (the offline engine). Requests "arrive" on a schedule:
@@ -737,8 +737,8 @@ def interference_row(v: Variant, rs: list[InterferenceRun], baseline: list[Inter
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: the cached default model)")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--quantization", default="int8", help="int8 | none")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantization", default="auto", help="auto (the file's weight blocks) | none (dense --dtype)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--num-kv-blocks", type=int, default=2048)
     ap.add_argument("--quick", action="store_true", help="a ~2-minute smoke run")
@@ -753,8 +753,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
-    quant = None if args.quantization == "none" else args.quantization
-    base = EngineConfig(model=args.model, dtype=args.dtype, quantization=quant, num_kv_blocks=args.num_kv_blocks,
+    base = EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization, num_kv_blocks=args.num_kv_blocks,
                         max_num_seqs=64, max_num_batched_tokens=512, enable_chunked_prefill=True,
                         enable_prefix_caching=True)
     factory = EngineFactory.load(base)

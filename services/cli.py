@@ -35,7 +35,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from shared.model.chat_template import render_chat
     from shared.model.sampling import SamplingParams
 
+    from shared.kernels import cpu_ext
+
     engine = LLMEngine.from_config(engine_config(args))
+    if args.stats and cpu_ext.BUILD_SECONDS is not None:
+        print(f"[cold start: compiled pdserve's CPU kernels in {cpu_ext.BUILD_SECONDS:.0f} s, cached for later runs]",
+              file=sys.stderr)
     tok = engine.tokenizer
     if args.chat:
         text = render_chat(tok.chat_template, [{"role": "user", "content": args.prompt}], add_generation_prompt=True)

@@ -47,6 +47,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=int(env("PDSERVE_MAX_NUM_BATCHED_TOKENS", "512")))
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-compile", action="store_true", default=env("PDSERVE_NO_COMPILE") == "1",
+                   help="eager torch ops over the same weight blocks instead of the fused C++ forward (slower; "
+                        "for debugging)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -56,6 +59,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=not args.no_chunked_prefill, enable_prefix_caching=not args.no_prefix_caching,
+        fused_forward=not args.no_compile,
     )
 
 

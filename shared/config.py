@@ -37,6 +37,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the checkpoint's context length
     num_threads: int | None = None  # torch intra-op threads (None: torch's default)
+    fused_forward: bool = True  # the fused C++ forward where the model can use it; False: eager torch
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
