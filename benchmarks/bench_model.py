@@ -81,7 +81,7 @@ def prefill_seconds(engine: LLMEngine, n: int, seed: int) -> float:
 def decode_step_seconds(engine: LLMEngine, batch: int, context: int, seed: int) -> float:
     """Seconds per decode step of `batch` sequences starting at `context` tokens."""
     vocab = engine.model.config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS + 2, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)  # aborted after timing
     ids = [f"tg{batch}-{context}-{seed}-{i}" for i in range(batch)]
     for i, rid in enumerate(ids):
         engine.add_request(rid, random_prompt(context, seed * 1000 + i, vocab), params)
@@ -92,8 +92,8 @@ def decode_step_seconds(engine: LLMEngine, batch: int, context: int, seed: int) 
     for _ in range(DECODE_STEPS):
         assert len(engine.step()) == batch, "every sequence decodes one token per step"
     dt = (time.perf_counter() - t0) / DECODE_STEPS
-    while engine.has_unfinished():
-        engine.step()
+    for rid in ids:
+        engine.abort(rid)
     return dt
 
 

@@ -27,6 +27,7 @@ namespace {
 
 constexpr int64_t kColChunk = 16;   // output columns per work item of a matmul (one vector: see silu)
 constexpr int64_t kPosChunk = 256;  // cache positions per attention work item
+constexpr int64_t kUnitRows = 16;   // rows of one sequence per attention work item (they share its keys)
 constexpr int64_t kRowBlock = 64;   // rows per matmul work item: their prepared activations stay in L2
 
 // exp(x) for 16 lanes: Cody-Waite range reduction + degree-6 polynomial, ~1 ulp on [-87, 88].
@@ -199,8 +200,10 @@ class DecodeModel {
   }
 
  private:
-  struct Unit {  // attention work item: positions [t0, t1) of one kv head, for one row
-    int64_t r, h, t0, t1;
+  // attention work item: rows [r0, r1) of one sequence (consecutive positions), one kv head, and the
+  // cache positions [t0, t0 + kPosChunk) — for each row, those of them up to its own position
+  struct Unit {
+    int64_t r0, r1, h, t0;
   };
 
   template <typename T>
@@ -215,25 +218,39 @@ class DecodeModel {
     const float* sinp = sin_.data_ptr<float>();
 
     // where each row's K and V go, its attention work items, and for each (row, kv head) the first item
+    // A row's attention is split into partials over positions [0, 256), [256, 512), … up to its own
+    // position, merged in order — the same split for a decode row and a prefill row at that position.
+    // Partial (r, h, j) is at first[r * Hkv + h] + j.
     std::vector<int64_t> slot(NT);
-    std::vector<Unit> units;
     std::vector<int64_t> first(NT * hkv_ + 1);
+    int64_t P = 0;
     for (int64_t r = 0; r < NT; r++) {
       slot[r] = static_cast<int64_t>(tables[rs[r] * tstride + pos[r] / bs]) * bs + pos[r] % bs;
       for (int64_t h = 0; h < hkv_; h++) {
-        first[r * hkv_ + h] = static_cast<int64_t>(units.size());
-        for (int64_t t0 = 0; t0 <= pos[r]; t0 += kPosChunk) units.push_back({r, h, t0, std::min<int64_t>(pos[r] + 1, t0 + kPosChunk)});
+        first[r * hkv_ + h] = P;
+        P += pos[r] / kPosChunk + 1;
       }
     }
-    const int64_t U = static_cast<int64_t>(units.size()), part = G * (Dh + 2);  // per unit: G x (max, sum, o[Dh])
-    first[NT * hkv_] = U;
+    first[NT * hkv_] = P;
+    const int64_t part = G * (Dh + 2);  // per partial: G x (max, sum, o[Dh])
+    // work items: blocks of up to kUnitRows rows of one sequence, which share the positions they read
+    std::vector<Unit> units;
+    for (int64_t r0 = 0; r0 < NT;) {
+      int64_t r1 = r0 + 1;
+      while (r1 < NT && r1 - r0 < kUnitRows && rs[r1] == rs[r0]) r1++;
+      for (int64_t h = 0; h < hkv_; h++)
+        for (int64_t t0 = 0; t0 <= pos[r1 - 1]; t0 += kPosChunk) units.push_back({r0, r1, h, t0});
+      r0 = r1;
+    }
+    const int64_t U = static_cast<int64_t>(units.size());
 
     auto f32 = torch::dtype(torch::kFloat32);
     torch::Tensor x_t = embed(ids_t, embed_);
     auto h_t = torch::empty({NT, D}, f32), qkv_t = torch::empty({NT, qkv_n}, f32), attn_t = torch::empty({NT, q_size}, f32);
-    auto tmp_t = torch::empty({NT, D}, f32), act_t = torch::empty({NT, F}, f32), part_t = torch::empty({U, part}, f32);
+    auto tmp_t = torch::empty({NT, D}, f32), act_t = torch::empty({NT, F}, f32), part_t = torch::empty({P, part}, f32);
     const int nthreads = at::get_num_threads();
-    auto scores_t = torch::empty({nthreads, G, kPosChunk + Dh}, f32);
+    const int64_t scratch = 2 * Dh * kPosChunk + G * (kPosChunk + Dh);  // see attend()
+    auto scores_t = torch::empty({nthreads, scratch}, f32);
     auto gu_all = torch::empty({nthreads, kRowBlock, 2 * kColChunk}, f32);
     float *x = x_t.data_ptr<float>(), *h = h_t.data_ptr<float>(), *qkv = qkv_t.data_ptr<float>();
     float *attn = attn_t.data_ptr<float>(), *tmp = tmp_t.data_ptr<float>(), *act = act_t.data_ptr<float>();
@@ -252,8 +269,7 @@ class DecodeModel {
 #pragma omp parallel num_threads(nthreads)
     {
       const int tid = omp_get_thread_num();
-      float* scores = scores_all + tid * G * (kPosChunk + Dh);
-      float* qrot = scores + G * kPosChunk;  // [G * Dh] rotated queries of the unit in hand
+      float* work = scores_all + tid * scratch;
       float* gu = gu_buf + tid * kRowBlock * 2 * kColChunk;
       for (int64_t l = 0; l < L; l++) {
         const LayerWeights& lw = layers_[l];
@@ -279,17 +295,11 @@ class DecodeModel {
             store_cache(dst + s_kv + kh * Dh, row + q_size + kv_size + kh * Dh, Dh);
           }
         }
-        // attention partials: each unit rotates its row's queries of one kv head
-#pragma omp for schedule(static)
-        for (int64_t u = 0; u < U; u++) {
-          const Unit& un = units[u];
-          const float* row = qkv + un.r * qkv_n;
-          const float* c = cosp + pos[un.r] * (Dh / 2);
-          const float* sn = sinp + pos[un.r] * (Dh / 2);
-          for (int64_t g = 0; g < G; g++) rotate(row + (un.h * G + g) * Dh, c, sn, qrot + g * Dh, Dh);
-          attend_unit(un, qrot, tables + rs[un.r] * tstride, cache + l * s_layer, s_block, s_kv, bs, kv_size, scale,
-                      scores, parts + u * part);
-        }
+        // attention partials
+#pragma omp for schedule(dynamic)
+        for (int64_t u = 0; u < U; u++)
+          attend(units[u], qkv, qkv_n, pos, cosp, sinp, tables + rs[units[u].r0] * tstride, cache + l * s_layer, s_block,
+                 s_kv, bs, kv_size, scale, work, parts, part, first.data());
         // merge the partials of each (row, kv head), in position order
 #pragma omp for schedule(static)
         for (int64_t rh = 0; rh < NT * hkv_; rh++)
@@ -360,76 +370,101 @@ class DecodeModel {
     }
   }
 
-  // softmax over the unit's positions for its G query heads: writes (max, sum, unnormalised o) per head
+  // One work item: the partials (max, sum, unnormalised o per query head) of its rows over its
+  // positions. The item's keys are gathered once, transposed to fp32 (kt[i][t]), and its values
+  // widened (vf[t][i]); then each row, alone:
+  //   scores[t] = scale * sum_i q[i] k_t[i]   (16 positions per vector, i in order)
+  //   softmax numerators and their sum;  o = sum_t p_t v_t  (t in order)
+  // Every number of a row is computed the same way whichever rows share the item, so a prefill row
+  // equals the decode step at its position.
   template <typename T>
-  void attend_unit(const Unit& un, const float* q, const int32_t* table, const T* layer_cache, int64_t s_block,
-                   int64_t s_kv, int64_t bs, int64_t kv_size, float scale, float* scores, float* pr) const {
-    const int64_t G = hq_ / hkv_, Dh = dh_, n = un.t1 - un.t0;
-    float mx[16];
-    for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
-    for (int64_t t = 0; t < n; t++) {
+  void attend(const Unit& un, const float* qkv, int64_t qkv_n, const int64_t* pos, const float* cosp, const float* sinp,
+              const int32_t* table, const T* layer_cache, int64_t s_block, int64_t s_kv, int64_t bs, int64_t kv_size,
+              float scale, float* work, float* parts, int64_t part, const int64_t* first) const {
+    const int64_t G = hq_ / hkv_, Dh = dh_;
+    const int64_t n_max = std::min<int64_t>(un.t0 + kPosChunk, pos[un.r1 - 1] + 1) - un.t0;
+    float* kt = work;                      // [Dh][kPosChunk]
+    float* vf = kt + Dh * kPosChunk;       // [kPosChunk][Dh]
+    float* scores = vf + kPosChunk * Dh;   // [G][kPosChunk]
+    float* qrot = scores + G * kPosChunk;  // [G][Dh]
+    for (int64_t t = 0; t < n_max; t++) {
       const int64_t p = un.t0 + t;
       const T* k = layer_cache + table[p / bs] * s_block + (p % bs) * kv_size + un.h * Dh;
+      const T* v = k + s_kv;
+      for (int64_t i = 0; i < Dh; i++) kt[i * kPosChunk + t] = static_cast<float>(k[i]);
+      for (int64_t i = 0; i < Dh; i += 16) _mm512_storeu_ps(vf + t * Dh + i, load16(v + i));
+    }
+    const int64_t padded = (n_max + 15) / 16 * 16;  // lanes past n_max are computed, never used: keep them finite
+    for (int64_t i = 0; i < Dh; i++)
+      for (int64_t t = n_max; t < padded; t++) kt[i * kPosChunk + t] = 0.0f;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t r = un.r0; r < un.r1; r++) {
+      if (pos[r] < un.t0) continue;
+      const int64_t n = std::min<int64_t>(un.t0 + kPosChunk, pos[r] + 1) - un.t0;
+      const float* row = qkv + r * qkv_n;
+      const float* c = cosp + pos[r] * (Dh / 2);
+      const float* sn = sinp + pos[r] * (Dh / 2);
+      for (int64_t g = 0; g < G; g++) rotate(row + (un.h * G + g) * Dh, c, sn, qrot + g * Dh, Dh);
+      float* pr = parts + (first[r * hkv_ + un.h] + un.t0 / kPosChunk) * part;
       for (int64_t g = 0; g < G; g++) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t i = 0; i < Dh; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * Dh + i), load16(k + i), acc);
-        const float sc = _mm512_reduce_add_ps(acc) * scale;
-        scores[g * kPosChunk + t] = sc;
-        mx[g] = std::max(mx[g], sc);
-      }
-    }
-    for (int64_t g = 0; g < G; g++) {
-      float* sg = scores + g * kPosChunk;
-      const __m512 m = _mm512_set1_ps(mx[g]);
-      __m512 sum = _mm512_setzero_ps();
-      int64_t t = 0;
-      for (; t + 16 <= n; t += 16) {
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
-        _mm512_storeu_ps(sg + t, e);
-        sum = _mm512_add_ps(sum, e);
-      }
-      float tail = 0.0f;
-      for (; t < n; t++) {
-        sg[t] = std::exp(sg[t] - mx[g]);
-        tail += sg[t];
-      }
-      pr[g * (Dh + 2)] = mx[g];
-      pr[g * (Dh + 2) + 1] = _mm512_reduce_add_ps(sum) + tail;
-      for (int64_t i = 0; i < Dh; i++) pr[g * (Dh + 2) + 2 + i] = 0.0f;
-    }
-    // o[g] = sum_t p[g, t] v[t], t in order. Head size 64 with up to 4 query heads per kv head keeps
-    // the sums in registers; the general loop below does the same operations in the same order.
-    if (Dh == 64 && G <= 4) {
-      __m512 acc[4][4];
-      for (int g = 0; g < 4; g++)
-        for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
-      for (int64_t t = 0; t < n; t++) {
-        const int64_t p = un.t0 + t;
-        const T* v = layer_cache + table[p / bs] * s_block + s_kv + (p % bs) * kv_size + un.h * Dh;
-        const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
-        for (int g = 0; g < 4; g++) {
-          if (g >= G) break;
-          const __m512 w = _mm512_set1_ps(scores[g * kPosChunk + t]);
-          acc[g][0] = _mm512_fmadd_ps(w, v0, acc[g][0]);
-          acc[g][1] = _mm512_fmadd_ps(w, v1, acc[g][1]);
-          acc[g][2] = _mm512_fmadd_ps(w, v2, acc[g][2]);
-          acc[g][3] = _mm512_fmadd_ps(w, v3, acc[g][3]);
+        const float* q = qrot + g * Dh;
+        float* sg = scores + g * kPosChunk;
+        for (int64_t tb = 0; tb < n; tb += 16) {
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t i = 0; i < Dh; i++) acc = _mm512_fmadd_ps(_mm512_set1_ps(q[i]), _mm512_loadu_ps(kt + i * kPosChunk + tb), acc);
+          _mm512_storeu_ps(sg + tb, _mm512_mul_ps(acc, vscale));
         }
+        float mx = -INFINITY;
+        for (int64_t t = 0; t < n; t++) mx = std::max(mx, sg[t]);
+        const __m512 m = _mm512_set1_ps(mx);
+        __m512 sum = _mm512_setzero_ps();
+        int64_t t = 0;
+        for (; t + 16 <= n; t += 16) {
+          const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
+          _mm512_storeu_ps(sg + t, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        float tail = 0.0f;
+        for (; t < n; t++) {
+          sg[t] = std::exp(sg[t] - mx);
+          tail += sg[t];
+        }
+        pr[g * (Dh + 2)] = mx;
+        pr[g * (Dh + 2) + 1] = _mm512_reduce_add_ps(sum) + tail;
+      }
+      // o[g] = sum_t p[g, t] v[t], t in order. Head size 64 with up to 4 query heads per kv head keeps
+      // the sums in registers; the general loop below does the same operations in the same order.
+      if (Dh == 64 && G <= 4) {
+        __m512 acc[4][4];
+        for (int g = 0; g < 4; g++)
+          for (int cc = 0; cc < 4; cc++) acc[g][cc] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+          const float* v = vf + t * Dh;
+          const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                       v3 = _mm512_loadu_ps(v + 48);
+          for (int g = 0; g < 4; g++) {
+            if (g >= G) break;
+            const __m512 w = _mm512_set1_ps(scores[g * kPosChunk + t]);
+            acc[g][0] = _mm512_fmadd_ps(w, v0, acc[g][0]);
+            acc[g][1] = _mm512_fmadd_ps(w, v1, acc[g][1]);
+            acc[g][2] = _mm512_fmadd_ps(w, v2, acc[g][2]);
+            acc[g][3] = _mm512_fmadd_ps(w, v3, acc[g][3]);
+          }
+        }
+        for (int64_t g = 0; g < G; g++)
+          for (int cc = 0; cc < 4; cc++) _mm512_storeu_ps(pr + g * (Dh + 2) + 2 + 16 * cc, acc[g][cc]);
+        continue;
       }
       for (int64_t g = 0; g < G; g++)
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(pr + g * (Dh + 2) + 2 + 16 * c, acc[g][c]);
-      return;
-    }
-    for (int64_t t = 0; t < n; t++) {
-      const int64_t p = un.t0 + t;
-      const T* v = layer_cache + table[p / bs] * s_block + s_kv + (p % bs) * kv_size + un.h * Dh;
-      for (int64_t i = 0; i < Dh; i += 16) {
-        const __m512 vv = load16(v + i);
-        for (int64_t g = 0; g < G; g++) {
-          float* o = pr + g * (Dh + 2) + 2 + i;
-          _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * kPosChunk + t]), vv, _mm512_loadu_ps(o)));
+        for (int64_t i = 0; i < Dh; i++) pr[g * (Dh + 2) + 2 + i] = 0.0f;
+      for (int64_t t = 0; t < n; t++)
+        for (int64_t i = 0; i < Dh; i += 16) {
+          const __m512 vv = _mm512_loadu_ps(vf + t * Dh + i);
+          for (int64_t g = 0; g < G; g++) {
+            float* o = pr + g * (Dh + 2) + 2 + i;
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * kPosChunk + t]), vv, _mm512_loadu_ps(o)));
+          }
         }
-      }
     }
   }
 
