@@ -387,16 +387,22 @@ class DecodeModel {
     float* vf = kt + Dh * kPosChunk;       // [kPosChunk][Dh]
     float* scores = vf + kPosChunk * Dh;   // [G][kPosChunk]
     float* qrot = scores + G * kPosChunk;  // [G][Dh]
-    for (int64_t t = 0; t < n_max; t++) {
-      const int64_t p = un.t0 + t;
-      const T* k = layer_cache + table[p / bs] * s_block + (p % bs) * kv_size + un.h * Dh;
-      const T* v = k + s_kv;
-      for (int64_t i = 0; i < Dh; i++) kt[i * kPosChunk + t] = static_cast<float>(k[i]);
-      for (int64_t i = 0; i < Dh; i += 16) _mm512_storeu_ps(vf + t * Dh + i, load16(v + i));
+    // 16 positions at a time, so each line of kt is written whole (lanes past n_max are computed,
+    // never used: zeros keep them finite)
+    for (int64_t tb = 0; tb < n_max; tb += 16) {
+      const T* k[16];
+      const int64_t m = std::min<int64_t>(16, n_max - tb);
+      for (int64_t j = 0; j < m; j++) {
+        const int64_t p = un.t0 + tb + j;
+        k[j] = layer_cache + table[p / bs] * s_block + (p % bs) * kv_size + un.h * Dh;
+        for (int64_t i = 0; i < Dh; i += 16) _mm512_storeu_ps(vf + (tb + j) * Dh + i, load16(k[j] + s_kv + i));
+      }
+      for (int64_t i = 0; i < Dh; i++) {
+        alignas(64) float col[16] = {};
+        for (int64_t j = 0; j < m; j++) col[j] = static_cast<float>(k[j][i]);
+        _mm512_storeu_ps(kt + i * kPosChunk + tb, _mm512_load_ps(col));
+      }
     }
-    const int64_t padded = (n_max + 15) / 16 * 16;  // lanes past n_max are computed, never used: keep them finite
-    for (int64_t i = 0; i < Dh; i++)
-      for (int64_t t = n_max; t < padded; t++) kt[i * kPosChunk + t] = 0.0f;
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t r = un.r0; r < un.r1; r++) {
       if (pos[r] < un.t0) continue;
