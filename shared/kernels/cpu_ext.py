@@ -3,13 +3,14 @@
 It is compiled for this machine's CPU (`-march=native`) with the compiler torch was built for, and
 cached under `$PDSERVE_HOME/ext/` keyed by a hash of the sources, torch's version and the CPU, so
 a cold start pays the build once (~1 min on 2 cores) and every later process loads it in
-milliseconds. Concurrent first starts (a prefill and a decode worker) serialise on torch's build
-lock. It needs AVX-512 (with F16C); where that is missing, or the build fails, `load()` returns
+milliseconds. Concurrent first starts (a prefill and a decode worker) serialise on an flock, which
+a process killed mid-build cannot leave held. It needs AVX-512 (with F16C); where that is missing, or the build fails, `load()` returns
 None once with a warning and the model runs its torch path.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -75,14 +76,20 @@ def load() -> ModuleType | None:
     cached = any(build_dir.glob("*.so"))
     t0 = time.perf_counter()
     try:
-        module = cpp_extension.load(
-            name=f"pdserve_cpu_{key}",
-            sources=[str(p) for p in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+        # torch serialises builds with a lock file that a process killed mid-build leaves behind, and
+        # every later start would wait on it forever. An flock dies with its holder: whoever holds
+        # it is the only one building, so a torch lock file seen then is stale.
+        with open(build_dir / "pdserve.lock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            module = cpp_extension.load(
+                name=f"pdserve_cpu_{key}",
+                sources=[str(p) for p in SOURCES],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
     except Exception as exc:  # a compiler or ninja missing, or a build error: say so once, run the torch path
         log.warning("CPU extension failed to build (%s): using the slower torch path", exc)
         return None
