@@ -19,7 +19,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from shared.cli_args import add_connection_args, env
+from shared.cli_args import add_connection_args, add_speculative_args, env, speculative_argv
 from services.supervisor import CrashLoop, RestartPolicy, Supervisor
 from shared.transport.servers import ServerProcess, die_with_parent, start_nats, start_valkey, wait_for_http_ok
 
@@ -46,6 +46,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default=env("PDSERVE_KV_DTYPE", "bfloat16"), help="KV cache and KV block dtype")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per engine worker (default: the cores divided among them)")
+    add_speculative_args(p)
     p.add_argument("--api-key", default=env("PDSERVE_API_KEY"))
     p.add_argument("--kv-network", action="store_true", help="move KV over NATS instead of shared memory")
     p.add_argument("--kv-slots", type=int, default=1024, help="kvstore blocks (bf16: 360 KiB each)")
@@ -137,7 +138,7 @@ def _start(stack: Stack, args: argparse.Namespace) -> None:
     conn = ["--nats", nats_url, "--redis", redis_url, *auth]
     store = f"kv-up-{os.getpid()}"
     model_args = ["--model", model, "--dtype", args.dtype, "--quantization", args.quantization,
-                  "--kv-dtype", args.kv_dtype]
+                  "--kv-dtype", args.kv_dtype, *speculative_argv(args)]
     colocated = args.mode == "colocated"
     n_engines = args.decode + (0 if colocated else args.prefill)
     threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, n_engines))

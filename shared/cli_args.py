@@ -7,7 +7,7 @@ import argparse
 import os
 import socket
 
-from shared.config import EngineConfig, WorkerConfig
+from shared.config import SPEC_MODES, EngineConfig, SpecConfig, WorkerConfig
 
 
 def env(name: str, default: str | None = None) -> str | None:
@@ -50,6 +50,38 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compile", action="store_true", default=env("PDSERVE_NO_COMPILE") == "1",
                    help="eager torch ops over the same weight blocks instead of the fused C++ forward (slower; "
                         "for debugging)")
+    add_speculative_args(p)
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", default=env("PDSERVE_SPECULATIVE", "suffix"), choices=SPEC_MODES,
+                   help="speculative decoding: suffix (the request's own text and earlier answers, the default), "
+                        "ngram (the request's own text), draft (a draft model), off. Output is the same as off; "
+                        "how much is proposed adapts to acceptance and batch size")
+    p.add_argument("--speculative-max-draft", type=int, default=int(env("PDSERVE_SPECULATIVE_MAX_DRAFT", "8")),
+                   help="most tokens proposed per sequence and step")
+    p.add_argument("--speculative-ngram", default=env("PDSERVE_SPECULATIVE_NGRAM", "1:4"),
+                   help="MIN:MAX tokens of context matched by the n-gram proposers")
+    p.add_argument("--speculative-draft-model", default=env("PDSERVE_SPECULATIVE_DRAFT_MODEL"),
+                   help="draft model checkpoint (same vocabulary) for --speculative draft")
+
+
+def speculative_config(args: argparse.Namespace) -> SpecConfig:
+    try:
+        lo, hi = (int(x) for x in args.speculative_ngram.split(":"))
+    except ValueError:
+        raise ValueError(f"--speculative-ngram must be MIN:MAX, got {args.speculative_ngram!r}") from None
+    return SpecConfig(mode=args.speculative, max_draft=args.speculative_max_draft, ngram_min=lo, ngram_max=hi,
+                      draft_model=args.speculative_draft_model)
+
+
+def speculative_argv(args: argparse.Namespace) -> list[str]:
+    """The speculative options as worker arguments (`pdserve up` passes them on)."""
+    argv = ["--speculative", args.speculative, "--speculative-max-draft", str(args.speculative_max_draft),
+            "--speculative-ngram", args.speculative_ngram]
+    if args.speculative_draft_model:
+        argv += ["--speculative-draft-model", args.speculative_draft_model]
+    return argv
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -59,7 +91,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=not args.no_chunked_prefill, enable_prefix_caching=not args.no_prefix_caching,
-        fused_forward=not args.no_compile,
+        fused_forward=not args.no_compile, speculative=speculative_config(args),
     )
 
 
@@ -81,9 +113,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 
 def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
+    engine = engine_config(args)
+    if role == "prefill":  # it samples one token per request: nothing to speculate on
+        engine.speculative = SpecConfig(mode="off")
     return WorkerConfig(
         role=role, instance=args.instance or f"{role}-{socket.gethostname()}-{os.getpid()}",
-        engine=engine_config(args), **connection_fields(args), kvstore=args.kvstore, kv_use_shm=not args.kv_network,
+        engine=engine, **connection_fields(args), kvstore=args.kvstore, kv_use_shm=not args.kv_network,
         kv_failure_policy=args.kv_failure_policy, max_inflight=args.max_inflight, ack_wait_s=args.ack_wait,
         max_deliver=args.max_deliver, lease_ttl_s=args.lease_ttl,
     )

@@ -3,7 +3,7 @@ CLI; everything below receives plain values through its constructor."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,30 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         return _DTYPES[name.lower()]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(sorted(_DTYPES))}") from None
+
+
+SPEC_MODES = ("off", "ngram", "suffix", "draft")
+
+
+@dataclass
+class SpecConfig:
+    """Speculative decoding (shared/engine/speculative.py)."""
+
+    mode: str = "suffix"  # off | ngram (prompt lookup) | suffix (+ earlier answers) | draft (a draft model)
+    max_draft: int = 8  # most proposals verified per sequence and step
+    ngram_min: int = 1  # shortest context matched
+    ngram_max: int = 4  # longest context matched (tried first)
+    draft_model: str | None = None  # checkpoint of the draft model (mode "draft")
+    suffix_cache_tokens: int = 1 << 20  # tokens of earlier answers kept (mode "suffix")
+
+    def __post_init__(self) -> None:
+        if self.mode not in SPEC_MODES:
+            raise ValueError(f"speculative mode must be one of {', '.join(SPEC_MODES)}, got {self.mode!r}")
+        if self.max_draft < 1 or self.max_draft > 32:
+            raise ValueError(f"speculative max_draft must be in [1, 32], got {self.max_draft}")
+        if not 1 <= self.ngram_min <= self.ngram_max <= 16:
+            raise ValueError(f"speculative n-gram range must satisfy 1 <= min <= max <= 16, got "
+                             f"{self.ngram_min}..{self.ngram_max}")
 
 
 @dataclass
@@ -38,6 +62,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the checkpoint's context length
     num_threads: int | None = None  # torch intra-op threads (None: torch's default)
     fused_forward: bool = True  # the fused C++ forward where the model can use it; False: eager torch
+    speculative: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)

@@ -187,5 +187,6 @@ class DecodeWorker(WorkerRuntime):
             await self.publish_final(rid, index, out.new_token_ids, finish_reason=str(out.finish_reason),
                                      stop_reason=out.stop_reason, prompt_tokens=prompt_tokens,
                                      completion_tokens=index + len(out.new_token_ids),
-                                     cached_tokens=max(cached_tokens, out.num_cached_tokens), timing=timing)
+                                     cached_tokens=max(cached_tokens, out.num_cached_tokens), timing=timing,
+                                     draft_tokens=out.draft_tokens, accepted_tokens=out.accepted_tokens)
             return

@@ -17,7 +17,8 @@ from prometheus_client.registry import Collector
 
 from shared.protocol.messages import WorkerStats
 from shared.telemetry.names import (E2E, ITL, KV_BLOCKS_IN_USE, KV_TRANSFER, PREFIX_HITS, PREFIX_QUERIES,
-                                    REQUESTS_RUNNING, REQUESTS_TOTAL, REQUESTS_WAITING, TTFT)
+                                    REQUESTS_RUNNING, REQUESTS_TOTAL, REQUESTS_WAITING, SPEC_ACCEPTED_PER_POS,
+                                    SPEC_ACCEPTED_TOKENS, SPEC_DRAFT_TOKENS, SPEC_DRAFTS, TTFT)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -37,7 +38,7 @@ class _LiveCollector(Collector):
         return self._families()
 
     def collect(self) -> Iterable[Metric]:
-        running, waiting, blocks, queries, hits = self._families()
+        running, waiting, blocks, queries, hits, drafts, draft_tokens, accepted, per_pos = self._families()
         in_flight, awaiting = self._gateway_counts()
         running.add_metric(["gateway", self._instance], in_flight)
         waiting.add_metric(["gateway", self._instance], awaiting)
@@ -48,7 +49,13 @@ class _LiveCollector(Collector):
             blocks.add_metric(labels, s.kv_blocks_in_use)
             queries.add_metric(labels, s.prefix_queries)
             hits.add_metric(labels, s.prefix_hits)
-        return [running, waiting, blocks, queries, hits]
+            if s.role in ("decode", "colocated"):
+                drafts.add_metric(labels, s.spec_drafts)
+                draft_tokens.add_metric(labels, s.spec_draft_tokens)
+                accepted.add_metric(labels, s.spec_accepted_tokens)
+                for pos, n in enumerate(s.spec_accepted_per_pos):
+                    per_pos.add_metric(labels + [str(pos)], n)
+        return [running, waiting, blocks, queries, hits, drafts, draft_tokens, accepted, per_pos]
 
     @staticmethod
     def _families() -> list[Metric]:
@@ -61,6 +68,13 @@ class _LiveCollector(Collector):
             CounterMetricFamily(PREFIX_QUERIES, "Prefix cache block lookups (cumulative, as reported)",
                                 labels=_LABELS),
             CounterMetricFamily(PREFIX_HITS, "Prefix cache block hits (cumulative, as reported)", labels=_LABELS),
+            CounterMetricFamily(SPEC_DRAFTS, "Speculative decoding: sequence-steps that verified proposals",
+                                labels=_LABELS),
+            CounterMetricFamily(SPEC_DRAFT_TOKENS, "Speculative decoding: proposed tokens verified", labels=_LABELS),
+            CounterMetricFamily(SPEC_ACCEPTED_TOKENS, "Speculative decoding: proposed tokens accepted",
+                                labels=_LABELS),
+            CounterMetricFamily(SPEC_ACCEPTED_PER_POS, "Speculative decoding: drafts whose proposal at this "
+                                "position was accepted", labels=_LABELS + ["position"]),
         ]
 
 

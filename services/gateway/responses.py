@@ -37,9 +37,14 @@ class ResponseMeta:
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
+    """OpenAI's usage; speculative decoding in OpenAI's predicted-output fields and as pdserve's
+    `draft_tokens` / `accepted_tokens`."""
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "completion_tokens_details": {"accepted_prediction_tokens": usage.accepted_tokens,
+                                          "rejected_prediction_tokens": usage.draft_tokens - usage.accepted_tokens},
+            "draft_tokens": usage.draft_tokens, "accepted_tokens": usage.accepted_tokens}
 
 
 def role_chunk(meta: ResponseMeta) -> dict[str, Any]:

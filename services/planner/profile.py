@@ -111,7 +111,7 @@ class Profiler:
             need = -(-(start + n) // self.bs)
             table = [(next_block + i) % n_blocks for i in range(need)]
             next_block = (next_block + need) % n_blocks
-            out.append(ScheduledChunk([7] * n, start, table, need_logits=True))
+            out.append(ScheduledChunk([7] * n, start, table, num_logits=1))
         return out
 
     def _forward(self, chunks) -> None:

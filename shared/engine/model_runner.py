@@ -26,7 +26,9 @@ class ScheduledChunk:
     token_ids: list[int]  # the new tokens of this sequence in this step (≥ 1)
     start_pos: int  # absolute position of token_ids[0] = number of tokens already in the cache
     block_table: list[int]  # the sequence's blocks, covering at least start_pos + len(token_ids) tokens
-    need_logits: bool = True  # sample after this chunk? (false for a non-final prefill chunk)
+    # logits for this many of its last rows: 1 to sample the next token, 0 for a non-final prefill
+    # chunk, 1 + k to verify k speculative tokens
+    num_logits: int = 1
 
 
 class ModelRunner:
@@ -56,8 +58,7 @@ class ModelRunner:
             slots.extend(c.block_table[p // bs] * bs + p % bs for p in pos)
             seq_lens.append(end)
             query_start.append(query_start[-1] + n)
-            if c.need_logits:
-                logit_rows.append(query_start[-1] - 1)
+            logit_rows.extend(range(query_start[-1] - c.num_logits, query_start[-1]))
         tables = [c.block_table + [0] * (max_blocks - len(c.block_table)) for c in chunks]
         dev = self.device
         attn = AttentionMetadata(
@@ -74,7 +75,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """One step; returns fp32 logits [number of chunks with need_logits, V], in chunk order."""
+        """One step; returns fp32 logits [sum of num_logits, V], in chunk order."""
         if self.fused is None:
             return self._forward(chunks)
         return self._fused(chunks)
@@ -87,7 +88,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden[logit_rows])
 
     def _fused(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Every chunk through the fused forward → logits [chunks with need_logits, V]."""
+        """Every chunk through the fused forward → logits [sum of num_logits, V]."""
         bs = self.block_size
         width = max(len(c.block_table) for c in chunks)
         ids: list[int] = []
@@ -101,8 +102,7 @@ class ModelRunner:
             ids += c.token_ids
             positions += range(c.start_pos, end)
             row_seq += [s] * len(c.token_ids)
-            if c.need_logits:
-                logit_rows.append(len(ids) - 1)
+            logit_rows.extend(range(len(ids) - c.num_logits, len(ids)))
         tables = torch.tensor([c.block_table + [0] * (width - len(c.block_table)) for c in chunks], dtype=torch.int32)
         return self.fused.forward(torch.tensor(ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
                                   torch.tensor(row_seq, dtype=torch.int32), tables,

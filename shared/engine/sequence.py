@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from shared.engine.speculative import SeqSpec
 from shared.kvcache.block_hash import BlockKey
 from shared.model.sampling import SamplingParams
 
@@ -41,6 +42,7 @@ class Sequence:
     prefill_only: bool = False  # role: stop after the first token and keep the blocks for export
     num_resumed: int = 0  # output tokens produced before this engine got the request (migration)
     text: str = ""  # detokenized output so far (engines with a tokenizer fill it in)
+    spec: SeqSpec = field(default_factory=SeqSpec)  # speculative decoding: acceptance, counts
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

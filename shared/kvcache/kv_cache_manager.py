@@ -67,6 +67,14 @@ class KVCacheManager:
             self.pool.cache_block(seq.block_table[i], key)
         seq.block_keys.extend(new_keys)
 
+    def trim(self, seq: HasBlocks) -> None:
+        """Give back the blocks past the computed tokens (speculative rows that were rejected).
+        They hold no computed token, so none of them was ever keyed."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        if len(seq.block_table) > keep:
+            self.pool.release(list(reversed(seq.block_table[keep:])))
+            del seq.block_table[keep:]
+
     def free(self, seq: HasBlocks) -> None:
         """Give back every block, tail first (so the tail is evicted before the shared head)."""
         self.pool.release(list(reversed(seq.block_table)))

@@ -96,6 +96,8 @@ class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    draft_tokens: int = 0  # speculative decoding: proposals verified for this request
+    accepted_tokens: int = 0  # of them, kept (each one a token that needed no step of its own)
 
 
 class TokenEvent(Msg, kw_only=True):
@@ -137,6 +139,11 @@ class WorkerStats(Msg, kw_only=True):
     prefix_queries: int = 0  # blocks looked up
     prefix_hits: int = 0  # blocks found
     free_slots: int = 0  # how many more requests it would take now
+    # speculative decoding, cumulative (vLLM's spec_decode counters)
+    spec_drafts: int = 0  # sequence-steps that verified proposals
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []  # [i]: drafts whose proposal i was kept
     ts: float = 0.0
 
 

@@ -11,6 +11,11 @@ PREFIX_HITS = "pdserve_prefix_cache_hits_total"
 REQUESTS_RUNNING = "pdserve_requests_running"
 REQUESTS_WAITING = "pdserve_requests_waiting"
 REQUESTS_TOTAL = "pdserve_requests_total"
+# speculative decoding (vLLM's names, with pdserve's prefix)
+SPEC_DRAFTS = "pdserve_spec_decode_num_drafts_total"
+SPEC_DRAFT_TOKENS = "pdserve_spec_decode_num_draft_tokens_total"
+SPEC_ACCEPTED_TOKENS = "pdserve_spec_decode_num_accepted_tokens_total"
+SPEC_ACCEPTED_PER_POS = "pdserve_spec_decode_num_accepted_tokens_per_pos_total"
 
 CONTRACT_NAMES = (TTFT, ITL, E2E, KV_TRANSFER, KV_BLOCKS_IN_USE, PREFIX_QUERIES, PREFIX_HITS, REQUESTS_RUNNING,
                   REQUESTS_WAITING)

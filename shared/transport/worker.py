@@ -126,11 +126,17 @@ class WorkerRuntime:
     def stats(self) -> WorkerStats:
         pool = self.engine.pool
         sched = self.engine.scheduler
+        spec = {}
+        if self.engine.spec is not None:
+            s = self.engine.spec.stats
+            spec = dict(spec_drafts=s.num_drafts, spec_draft_tokens=s.num_draft_tokens,
+                        spec_accepted_tokens=s.num_accepted_tokens, spec_accepted_per_pos=list(s.accepted_per_pos))
         return WorkerStats(role=self.config.role, instance=self.config.instance, running=len(sched.running),
                            waiting=len(sched.waiting), kv_blocks_total=pool.num_blocks,
                            kv_blocks_in_use=pool.num_used_blocks, kv_blocks_cached=pool.num_cached_blocks,
                            prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits,
-                           free_slots=max(0, self.engine.config.max_num_seqs - self.async_engine.num_requests))
+                           free_slots=max(0, self.engine.config.max_num_seqs - self.async_engine.num_requests),
+                           **spec)
 
     async def publish_tokens(self, request_id: str, index: int, token_ids: list[int], **fields) -> None:
         event = TokenEvent(request_id=request_id, index=index, token_ids=token_ids, worker=self.config.instance,
@@ -144,10 +150,11 @@ class WorkerRuntime:
 
     async def publish_final(self, request_id: str, index: int, token_ids: list[int], *, finish_reason: str,
                             stop_reason, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-                            timing: Timing | None) -> None:
+                            timing: Timing | None, draft_tokens: int = 0, accepted_tokens: int = 0) -> None:
         await self.publish_tokens(
             request_id, index, token_ids, finished=True, finish_reason=finish_reason, stop_reason=stop_reason,
-            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached_tokens),
+            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached_tokens,
+                        draft_tokens=draft_tokens, accepted_tokens=accepted_tokens),
             timing=timing)
 
     async def shutdown(self) -> None:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.config import EngineConfig
+from shared.config import EngineConfig, SpecConfig
 from shared.engine.engine import LLMEngine, RequestError
 from shared.model.sampling import SamplingParams
 from tests.model_utils import contiguous_greedy, tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
+NO_SPEC = SpecConfig(mode="off")  # for the tests that count the tokens computed per step
 
 
 def make_engine(model=None, **cfg) -> LLMEngine:
@@ -54,7 +55,7 @@ def test_batched_engine_matches_each_prompt_alone():
 
 def test_prefix_hit_computes_only_uncached_tokens():
     model = tiny_model()
-    engine = make_engine(model)
+    engine = make_engine(model, speculative=NO_SPEC)
     shared_prefix = prompts([48], seed=1)[0]  # 3 full blocks
     first = shared_prefix + [1, 2, 3, 4, 5]
     second = shared_prefix + [9, 8, 7]
@@ -72,7 +73,7 @@ def test_prefix_hit_computes_only_uncached_tokens():
 
 
 def test_fully_cached_prompt_still_computes_its_last_token():
-    engine = make_engine()
+    engine = make_engine(speculative=NO_SPEC)
     p = prompts([32], seed=2)[0]
     [a] = engine.generate([p], GREEDY)
     before = engine.stats.tokens_computed
@@ -211,7 +212,7 @@ def test_prefix_kv_from_elsewhere_computes_only_the_rest():
     while source.has_unfinished():
         source.step()
     _, blocks = source.export_kv("src")  # 3 blocks: 2 full + a partial one
-    target = make_engine(model)
+    target = make_engine(model, speculative=NO_SPEC)
     target.add_request("dst", p, GREEDY, prefix_kv=blocks[:2])  # the whole blocks, as the kvstore keeps them
     got = run_checked(target)
     assert got["dst"] == expected.new_token_ids

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from services.up import add_up_args, start_stack, wait_healthy
-from shared.config import EngineConfig
+from shared.config import EngineConfig, SpecConfig
 from shared.engine.engine import LLMEngine
 from shared.model.chat_template import render_chat
 from shared.model.sampling import SamplingParams
@@ -89,7 +89,8 @@ def metric_values(url: str, name: str) -> dict[str, float]:
 
 
 def offline_greedy(content: str, max_tokens: int) -> str:
-    engine = LLMEngine.from_config(EngineConfig(num_kv_blocks=128))
+    """The offline engine's greedy text, without speculative decoding (the stack runs with it)."""
+    engine = LLMEngine.from_config(EngineConfig(num_kv_blocks=128, speculative=SpecConfig(mode="off")))
     tok = engine.tokenizer
     ids = tok.encode(render_chat(tok.chat_template, [{"role": "user", "content": content}]), add_special_tokens=False)
     [out] = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=max_tokens))
@@ -113,6 +114,30 @@ def test_greedy_output_matches_offline_engine(disagg):
         offline = offline_greedy(p, 24)
         for _ in range(2):
             assert chat(disagg, p, max_tokens=24)["choices"][0]["message"]["content"] == offline
+
+
+def test_speculative_decoding_across_the_split(disagg):
+    """The decode worker speculates on what it got from the prefill worker with nothing extra moved:
+    a prompt the answer repeats is answered as without speculation, with proposals accepted, in the
+    usage and in the metrics."""
+    p = "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank."
+    offline = offline_greedy(p, 40)
+    body = chat(disagg, p, max_tokens=40)
+    assert body["choices"][0]["message"]["content"] == offline
+    usage = body["usage"]
+    assert 0 < usage["accepted_tokens"] <= usage["draft_tokens"]
+    assert usage["completion_tokens_details"]["accepted_prediction_tokens"] == usage["accepted_tokens"]
+    text, chunks = stream_chat(disagg, p, max_tokens=40)
+    assert text == offline
+    assert chunks[-1]["usage"]["accepted_tokens"] > 0
+    deadline = time.time() + 10
+    while time.time() < deadline:  # workers publish their counters with each heartbeat
+        accepted = metric_values(disagg, "pdserve_spec_decode_num_accepted_tokens_total")
+        if sum(v for k, v in accepted.items() if 'service="decode"' in k) > 0:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"no accepted speculative tokens in /metrics: {accepted}")
 
 
 def test_openai_client_unmodified(disagg):

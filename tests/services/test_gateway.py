@@ -357,7 +357,10 @@ async def test_chat_non_streaming_shape_and_job(client, peer, tokenizer):
     n_out = len(tokenizer.encode(ANSWER, add_special_tokens=False))
     assert data["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": n_out,
                              "total_tokens": len(prompt_ids) + n_out,
-                             "prompt_tokens_details": {"cached_tokens": CACHED_TOKENS}}
+                             "prompt_tokens_details": {"cached_tokens": CACHED_TOKENS},
+                             "completion_tokens_details": {"accepted_prediction_tokens": 0,
+                                                           "rejected_prediction_tokens": 0},
+                             "draft_tokens": 0, "accepted_tokens": 0}
     subject, job = peer.jobs[request_id(data)]
     assert subject == subjects.PREFILL_JOBS
     assert job.prompt_ids == prompt_ids
