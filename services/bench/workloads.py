@@ -9,18 +9,24 @@ unless a tokenizer is given, which makes it exact for that tokenizer.
     long-doc       1,500–3,000-token prompts, 32–128 output tokens
     shared-prefix  one ~1,200-token prefix shared by every request + a distinct 20–60-token question
     interference   chat streams at fixed concurrency while long-doc prompts arrive (see runner.py)
+    grounded       answers that reuse their prompt (speculative decoding's case), in turn: a code edit
+                   that returns the given function, a summary that quotes the given text, records
+                   extracted as JSON lines; 64–160 output tokens
+    open           free chat: a short open question, 128–256 output tokens
     dataset        a JSONL file: {"prompt": ..., "max_tokens": ...} per line, taken in order, cycled
 """
 
 from __future__ import annotations
 
+import builtins
 import json
+import keyword
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-WORKLOADS = ("chat", "long-doc", "shared-prefix", "interference")
+WORKLOADS = ("chat", "long-doc", "shared-prefix", "interference", "grounded", "open")
 
 # Measured with SmolLM2-135M's tokenizer on text from `TextGenerator` (1.10 tokens/word: most of
 # these words are one token, a space included; the full stops and a few rarer words add the rest).
@@ -48,6 +54,22 @@ LONG_OUTPUT_TOKENS = (32, 128)
 SHARED_PREFIX_TOKENS = 1200
 SUFFIX_TOKENS = (20, 60)
 SHARED_PREFIX_OUTPUT_TOKENS = (16, 48)
+GROUNDED_PROMPT_TOKENS = (80, 200)
+GROUNDED_OUTPUT_TOKENS = (64, 160)
+OPEN_PROMPT_TOKENS = (8, 24)
+OPEN_OUTPUT_TOKENS = (128, 256)
+
+_NAMES = "alice bob carol dave erin frank grace heidi ivan judy mallory niaj olivia peggy rupert sybil".split()
+_CITIES = "paris berlin madrid rome lisbon vienna prague oslo dublin athens warsaw zurich".split()
+_OPEN = ["Tell me about", "Write a short story about", "Explain", "What do you think of", "Describe",
+         "Give me advice on", "Write a poem about"]
+_TOPICS = """a river in winter|the history of bread|learning music as an adult|a harbour town|how bridges stand up|
+a forest at night|the first train journey|keeping a garden|why cities grow|an old stone house|a mountain village|
+the school of the future|writing letters|the sea in autumn|a quiet morning|friendship|the market on a Saturday|
+building a table|a long walk|the light in summer|an island nobody visits|remembering a teacher|a family recipe|
+the engine of a ship|modern art|the evening sky|a small company|travel on a budget|an ancient road|health and sleep""".replace(
+    "\n", "").split("|")
+_IDENTIFIERS = [w for w in _WORDS if w.isidentifier() and not keyword.iskeyword(w) and w not in dir(builtins)]
 
 
 @dataclass(frozen=True)
@@ -107,7 +129,9 @@ class Workload:
                  output_tokens: tuple[int, int] | None = None, prefix_tokens: int = SHARED_PREFIX_TOKENS,
                  text: TextGenerator | None = None):
         defaults = {"chat": (CHAT_PROMPT_TOKENS, CHAT_OUTPUT_TOKENS), "long-doc": (LONG_PROMPT_TOKENS, LONG_OUTPUT_TOKENS),
-                    "shared-prefix": (SUFFIX_TOKENS, SHARED_PREFIX_OUTPUT_TOKENS)}
+                    "shared-prefix": (SUFFIX_TOKENS, SHARED_PREFIX_OUTPUT_TOKENS),
+                    "grounded": (GROUNDED_PROMPT_TOKENS, GROUNDED_OUTPUT_TOKENS),
+                    "open": (OPEN_PROMPT_TOKENS, OPEN_OUTPUT_TOKENS)}
         if name not in defaults:
             raise ValueError(f"unknown workload {name!r} (one of {', '.join(defaults)})")
         self.name, self.seed = name, seed
@@ -120,6 +144,10 @@ class Workload:
     def request(self, index: int) -> RequestSpec:
         rng = _rng(self.seed, self.name, index)
         n_prompt, n_out = _pick(rng, self.prompt_tokens), _pick(rng, self.output_tokens)
+        if self.name == "grounded":
+            return RequestSpec(index, "grounded", self._grounded(rng, index, n_prompt), n_out, n_prompt)
+        if self.name == "open":
+            return RequestSpec(index, "open", f"{rng.choice(_OPEN)} {rng.choice(_TOPICS)}.", n_out, n_prompt)
         body = self.text.text(rng, n_prompt)
         if self.name == "chat":
             return RequestSpec(index, "chat", f"{body}\nWrite a long answer about the text above.", n_out, n_prompt)
@@ -127,6 +155,28 @@ class Workload:
             return RequestSpec(index, "long", f"Document:\n{body}\nSummarise the document above.", n_out, n_prompt)
         prompt = f"{self.shared_prefix()}\nQuestion {index}: {body}"
         return RequestSpec(index, "shared-prefix", prompt, n_out, self.prefix_tokens + n_prompt)
+
+    def _grounded(self, rng: random.Random, index: int, n_tokens: int) -> str:
+        kind = index % 3
+        if kind == 0:  # a code edit: most of the function comes back
+            fn, old, new = rng.sample(_IDENTIFIERS, 2) + [rng.choice(_IDENTIFIERS) + "_value"]
+            lines = [f"def {fn}_{index}(items, {old}):", f'    """Return the {rng.choice(_WORDS)} of the items."""',
+                     "    total = 0"]
+            while len(" ".join(lines).split()) * 1.6 < n_tokens:
+                a, b = rng.sample(_IDENTIFIERS, 2)
+                lines += [f"    for {a} in items:", f"        if {a} > {old}:", f"            total += {a} * {len(lines)}",
+                          f"        {b} = total - {old}"]
+            lines.append(f"    return total + {old}")
+            code = "\n".join(lines)
+            return f"{code}\n\nRename the parameter `{old}` to `{new}` and return the whole function."
+        if kind == 1:  # a summary that quotes the given text
+            body = self.text.text(rng, n_tokens)
+            return f"{body}\n\nSummarise the text above, quoting its sentences word for word."
+        rows = []  # structured extraction
+        while len(" ".join(rows).split()) * 1.5 < n_tokens:
+            rows.append(f"{rng.choice(_NAMES).capitalize()} lives in {rng.choice(_CITIES).capitalize()} and is "
+                        f"{rng.randint(18, 90)} years old.")
+        return " ".join(rows) + '\n\nList every person above as JSON lines {"name": ..., "city": ..., "age": ...}.'
 
     def shared_prefix(self) -> str:
         if self._prefix is None:

@@ -102,7 +102,10 @@ class LLMEngine:
             draft = DraftModelProposer(draft_model, self.config.num_kv_blocks, self.config.block_size,
                                        self.config.torch_kv_dtype, fused=self.config.fused_forward)
         rows = min(self.config.max_num_batched_tokens, 8 * spec.max_draft, self.config.num_kv_blocks * self.config.block_size)
-        return Speculator(spec, StepCost.calibrate(self._forward_rows, rows), draft)
+        cost = StepCost.calibrate(self._forward_rows, rows)
+        log.info("speculative decoding %s: step time by rows %s", spec.mode,
+                 ", ".join(f"{r}: {s * 1e3:.1f} ms" for r, s in zip(cost.rows, cost.secs)))
+        return Speculator(spec, cost, draft)
 
     @torch.inference_mode()
     def _forward_rows(self, rows: int) -> None:
@@ -231,7 +234,12 @@ class LLMEngine:
         t0 = time.perf_counter()
         logits = self.runner.execute(chunks)
         sampled = [(s.seq, p) for s, p in zip(sched.scheduled, proposals) if s.completes_prompt]
+        t1 = time.perf_counter()
         tokens = self._sample(logits, [(seq, len(p.tokens) if p else 0) for seq, p in sampled])
+        if self.spec is not None:
+            random_rows = sum(1 + (len(p.tokens) if p else 0) for seq, p in sampled if not seq.params.greedy)
+            if random_rows:
+                self.spec.observe_sampling(random_rows, time.perf_counter() - t1)
         outputs = []
         row = 0
         for s in sched.scheduled:
@@ -260,8 +268,12 @@ class LLMEngine:
         max_k = [min(s.params.max_tokens - len(s.output_ids), self.max_model_len - s.num_tokens) - 1 for s in seqs]
         budget = self.config.max_num_batched_tokens - rows
         for i, seq, p in zip(decoding, seqs, self.spec.propose(seqs, rows, budget, max_k)):
-            if p is not None and self.kv.allocate_slots(seq, 1 + len(p.tokens)):
-                out[i] = p  # else no blocks for its rows: it decodes one token, as without speculation
+            if p is None:
+                continue
+            if self.kv.allocate_slots(seq, 1 + len(p.tokens)):
+                out[i] = p
+            else:  # no blocks for its rows: it decodes one token, as without speculation
+                self.spec.discard(seq)
         return out
 
     def _chunk(self, seq: Sequence, n: int, need_logits: bool, proposal: Proposal | None = None) -> ScheduledChunk:

@@ -19,9 +19,10 @@ Here live the pieces around that:
   `Acceptance` (how often proposals of each kind are accepted, per worker and per request);
 - `Speculator`, which decides per step how many proposals each sequence verifies: the next proposal
   goes to the sequence whose expected gain (the chance that it and every proposal before it is
-  accepted) is largest, as long as the step's expected tokens per second still rise. On text that
-  never matches nothing is proposed; when the batch is large enough that rows cost compute, the
-  gain no longer pays for them and k falls to 0 on its own.
+  accepted) is largest, as long as that gain per second of extra step time beats the step's own
+  tokens per second (by a margin). On text that never matches nothing is proposed; when the batch
+  is large enough that rows cost compute, the gain no longer pays for them and k falls to 0 on its
+  own.
 
 Everything runs inside the decode worker (and colocated workers); a prefill worker needs nothing,
 so disaggregation needs nothing moved.
@@ -187,7 +188,7 @@ class StepCost:
 class Acceptance:
     """Accepted / verified proposals, decayed so that recent steps count most."""
 
-    accepted: float = 1.0  # a prior of one accepted in two
+    accepted: float = 1.4  # an optimistic prior (seven in ten): a kind of proposal is tried before it is judged
     trials: float = 2.0
     decay: float = 0.98
 
@@ -226,6 +227,11 @@ class Speculator:
     """Chooses, per step, what each decoding sequence verifies; learns from what was accepted."""
 
     PRIOR_WEIGHT = 4.0  # a request's own history counts once it has about this many trials
+    # a proposal's expected tokens per second of extra step time must beat the step's own rate by
+    # this factor: the cost model is an estimate (its table comes from a quiet start, real steps
+    # have other costs), and a proposal that only breaks even is a loss once it is slightly wrong
+    MARGIN = 1.15
+    EXPLORE_EVERY = 32  # plans
 
     def __init__(self, config: SpecConfig, cost: StepCost, draft: DraftModelProposer | None = None):
         self.config = config
@@ -237,6 +243,8 @@ class Speculator:
         self.buckets: dict[tuple[str, int], Acceptance] = {}
         self.stats = SpecStats(accepted_per_pos=[0] * config.max_draft)
         self.fixed_k: int | None = None  # tests: verify this many whenever there is a proposal
+        self._plans = 0
+        self.sample_row_seconds = 0.0  # measured: sampling one row of a non-greedy request
 
     # ----------------------------------------------------------------------------------- plan
 
@@ -263,7 +271,7 @@ class Speculator:
 
     def _alpha(self, seq, p: Proposal) -> float:
         bucket = self.buckets.get(p.bucket)
-        prior = bucket.rate if bucket is not None else 0.5
+        prior = bucket.rate if bucket is not None else Acceptance().rate
         own = seq.spec.acceptance
         return (own.accepted + self.PRIOR_WEIGHT * prior) / (own.trials + self.PRIOR_WEIGHT)
 
@@ -281,15 +289,23 @@ class Speculator:
             gain, i = heapq.heappop(heap)
             gain = -gain
             more = self.cost(rows + 1) - self.cost(rows)
+            if not seqs[i].params.greedy:
+                more += self.sample_row_seconds  # its rows are sampled (temperature, top-k/p), not argmaxed
             if self.draft is not None and ks[i] + 1 > draft_depth:
                 more += self.draft.pass_seconds  # one more draft pass for the batch
-            if (tokens + gain) * secs <= tokens * (secs + more):
-                break  # this proposal no longer raises the step's expected tokens per second
+            if gain * secs <= self.MARGIN * tokens * more:
+                break  # its tokens per second (gain / more) no longer beat the step's (tokens / secs) enough
             ks[i] += 1
             draft_depth = max(draft_depth, ks[i])
             rows, budget, tokens, secs = rows + 1, budget - 1, tokens + gain, secs + more
             if ks[i] < limit[i]:
                 heapq.heappush(heap, (-gain * alphas[i], i))
+        self._plans += 1
+        if self._plans % self.EXPLORE_EVERY == 0 and not any(ks):
+            # now and then one proposal is verified anyway: acceptance judged too low is measured again
+            best = max(range(len(seqs)), key=lambda i: alphas[i] if limit[i] else -1.0)
+            if limit[best] and budget > 0:
+                ks[best] = 1
         return ks
 
     # ---------------------------------------------------------------------------------- learn
@@ -309,6 +325,14 @@ class Speculator:
         s.num_accepted_tokens += accepted
         for i in range(accepted):
             s.accepted_per_pos[i] += 1
+
+    def observe_sampling(self, rows: int, seconds: float) -> None:
+        self.sample_row_seconds += 0.1 * (seconds / rows - self.sample_row_seconds)
+
+    def discard(self, seq) -> None:
+        """`seq` will not verify what was proposed this step (no blocks for the rows)."""
+        if self.draft is not None:
+            self.draft.rollback(seq, seq.num_tokens)
 
     def finished(self, seq, complete: bool) -> None:
         """A sequence is done (`complete`: not aborted): what it said joins the suffix cache; a draft

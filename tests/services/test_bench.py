@@ -117,7 +117,7 @@ def test_summary_by_kind_and_itl_window():
 
 
 def test_same_seed_same_trace_and_requests_independent_of_order():
-    for name in ("chat", "long-doc", "shared-prefix"):
+    for name in ("chat", "long-doc", "shared-prefix", "grounded", "open"):
         a, b = Workload(name, seed=7), Workload(name, seed=7)
         trace = [a.request(i) for i in range(5)]
         assert trace == [b.request(i) for i in reversed(range(5))][::-1]
@@ -139,6 +139,11 @@ def test_workload_ranges_and_shared_prefix():
     reqs = [w.request(i) for i in range(4)]
     assert all(r.prompt.startswith(w.shared_prefix()) for r in reqs)
     assert len({r.prompt[len(w.shared_prefix()):] for r in reqs}) == 4
+    grounded = [Workload("grounded", 0).request(i) for i in range(6)]  # code edit, quoting summary, extraction
+    assert all(64 <= r.max_tokens <= 160 for r in grounded)
+    assert "def " in grounded[0].prompt and "return the whole function" in grounded[0].prompt
+    assert "quoting its sentences" in grounded[1].prompt and "JSON lines" in grounded[2].prompt
+    assert "def " in grounded[3].prompt and grounded[3].prompt != grounded[0].prompt
     fixed = Workload("chat", 0, prompt_tokens=(50, 50), output_tokens=(8, 8))
     assert {(r.prompt_tokens, r.max_tokens) for r in (fixed.request(i) for i in range(5))} == {(50, 8)}
     assert parse_range("16") == (16, 16) and parse_range("8-32") == (8, 32)
