@@ -5,6 +5,11 @@ to a fresh stack per pass; greedy, natural ends (the same tokens with and withou
 
     python benchmarks/bench_spec.py [--concurrency 1,2,4,8,16] [--workloads grounded,open] [--json PATH]
 
+Any two `pdserve up` configurations can be compared the same way: `--a-args` / `--b-args` (the
+defaults: `--speculative off` / `--speculative suffix`), e.g. core sharing on and off:
+
+    python benchmarks/bench_spec.py --a-args=--no-core-share --b-args= --workloads chat,open
+
 Reports per cell: output tokens/s, TPOT p50/mean (decode ms per token after the first), and for
 speculation the proposals verified and accepted (the decode worker's Prometheus counters).
 """
@@ -26,7 +31,7 @@ from services.bench.runner import BenchConfig, run_benchmark  # noqa: E402
 from services.up import add_up_args, start_stack, wait_healthy  # noqa: E402
 from shared.transport.servers import free_port  # noqa: E402
 
-ORDER = ("off", "suffix", "suffix", "off")  # A B B A
+ORDER = ("A", "B", "B", "A")
 COUNTERS = ("pdserve_spec_decode_num_draft_tokens_total", "pdserve_spec_decode_num_accepted_tokens_total",
             "pdserve_spec_decode_num_drafts_total")
 
@@ -41,10 +46,10 @@ def spec_counters(url: str) -> dict[str, float]:
     return out
 
 
-def run_pass(mode: str, concurrency: list[int], workloads: list[str], workdir: Path) -> dict:
+def run_pass(mode: str, up_args: list[str], concurrency: list[int], workloads: list[str], workdir: Path) -> dict:
     parser = argparse.ArgumentParser()
     add_up_args(parser)
-    args = parser.parse_args(["--port", str(free_port()), "--workdir", str(workdir), "--speculative", mode])
+    args = parser.parse_args(["--port", str(free_port()), "--workdir", str(workdir), *up_args])
     stack, url = start_stack(args)
     cells = {}
     try:
@@ -84,16 +89,20 @@ def main() -> int:
     p.add_argument("--workloads", default="grounded,open")
     p.add_argument("--workdir", default="/tmp/pdserve-bench-spec")
     p.add_argument("--json", default=None)
+    p.add_argument("--a-args", default="--speculative off", help="pdserve up arguments of configuration A")
+    p.add_argument("--b-args", default="--speculative suffix", help="… of configuration B")
     args = p.parse_args()
+    up_args = {"A": args.a_args.split(), "B": args.b_args.split()}
     concurrency = [int(c) for c in args.concurrency.split(",")]
     workloads = args.workloads.split(",")
-    passes = [(mode, run_pass(mode, concurrency, workloads, Path(args.workdir) / f"pass{i}-{mode}"))
+    passes = [(mode, run_pass(mode, up_args[mode], concurrency, workloads, Path(args.workdir) / f"pass{i}-{mode}"))
               for i, mode in enumerate(ORDER)]
-    print("\ncell            off tok/s   on tok/s   ratio   TPOT off/on ms   acceptance  accepted/draft  per draft")
+    print(f"\nA: {args.a_args!r}  B: {args.b_args!r}")
+    print("\ncell            A tok/s     B tok/s    B÷A     TPOT A/B ms      acceptance  accepted/draft  per draft")
     table = {}
     for cell in passes[0][1]:
-        off = [c[cell] for m, c in passes if m == "off"]
-        on = [c[cell] for m, c in passes if m != "off"]
+        off = [c[cell] for m, c in passes if m == "A"]
+        on = [c[cell] for m, c in passes if m == "B"]
         off_tps = statistics.mean(x["output_tok_s"] for x in off)
         on_tps = statistics.mean(x["output_tok_s"] for x in on)
         drafted = sum(x["draft_tokens"] for x in on)
@@ -101,15 +110,16 @@ def main() -> int:
         drafts = sum(x["drafts"] for x in on)
         tpot_off = statistics.mean(x["tpot_mean_ms"] for x in off)
         tpot_on = statistics.mean(x["tpot_mean_ms"] for x in on)
-        table[cell] = {"off_tok_s": off_tps, "on_tok_s": on_tps, "ratio": on_tps / off_tps,
-                       "tpot_off_ms": tpot_off, "tpot_on_ms": tpot_on, "tpot_ratio": tpot_off / tpot_on,
+        table[cell] = {"a_tok_s": off_tps, "b_tok_s": on_tps, "ratio": on_tps / off_tps,
+                       "tpot_a_ms": tpot_off, "tpot_b_ms": tpot_on, "tpot_ratio": tpot_off / tpot_on,
                        "draft_tokens": drafted, "accepted_tokens": accepted,
                        "mean_accepted_per_draft": accepted / drafts if drafts else 0.0}
         rate = accepted / drafted if drafted else 0.0
         print(f"{cell:14s} {off_tps:9.1f} {on_tps:10.1f} {on_tps / off_tps:7.2f}x   {tpot_off:6.2f}/{tpot_on:5.2f}"
               f"      {rate:6.1%}    {accepted:.0f}/{drafted:.0f}  {accepted / drafts if drafts else 0:.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"order": ORDER, "passes": passes, "table": table}, indent=1))
+        Path(args.json).write_text(json.dumps({"a_args": args.a_args, "b_args": args.b_args, "order": ORDER,
+                                               "passes": passes, "table": table}, indent=1))
     return 0
 
 

@@ -45,7 +45,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=env("PDSERVE_QUANTIZATION", "auto"), choices=["auto", "none"])
     p.add_argument("--kv-dtype", default=env("PDSERVE_KV_DTYPE", "bfloat16"), help="KV cache and KV block dtype")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch threads per engine worker (default: the cores divided among them)")
+                   help="torch threads per engine worker (default: the cores divided among them); an idle "
+                        "worker lends its threads to the busy ones")
+    p.add_argument("--no-core-share", action="store_true",
+                   help="each worker keeps to its own --threads, even while the others are idle")
     add_speculative_args(p)
     p.add_argument("--api-key", default=env("PDSERVE_API_KEY"))
     p.add_argument("--kv-network", action="store_true", help="move KV over NATS instead of shared memory")
@@ -145,18 +148,24 @@ def _start(stack: Stack, args: argparse.Namespace) -> None:
     worker = conn + model_args + ["--kvstore", store, "--threads", str(threads)] + args.worker_arg
     if args.kv_network:
         worker.append("--kv-network")
+    slots = iter(range(n_engines))
+
+    def share() -> list[str]:  # each engine lends its cores to the others while it is idle
+        return [] if args.no_core_share else ["--core-share", str(stack.workdir / "cores"), "--core-slot",
+                                              str(next(slots))]
+
     if not colocated:
         stack.spawn("kvstore", "services.kvstore",
                     [*conn, "--model", model, "--dtype", args.kv_dtype, "--store", store,
                      "--num-slots", str(args.kv_slots)],
                     stage=STAGE_KVSTORE)
         for i in range(args.prefill):
-            stack.spawn(f"prefill-{i}", "services.prefill", worker + ["--instance", f"prefill-{i}"],
+            stack.spawn(f"prefill-{i}", "services.prefill", worker + ["--instance", f"prefill-{i}", *share()],
                         stage=STAGE_WORKERS)
     for i in range(args.decode):
         role = "colocated" if colocated else "decode"
-        stack.spawn(f"{role}-{i}", "services.decode", worker + ["--role", role, "--instance", f"{role}-{i}"],
-                    stage=STAGE_WORKERS)
+        stack.spawn(f"{role}-{i}", "services.decode",
+                    worker + ["--role", role, "--instance", f"{role}-{i}", *share()], stage=STAGE_WORKERS)
     gateway = conn + ["--model", model, "--host", args.host, "--port", str(args.port), "--mode", args.mode]
     if args.api_key:
         gateway += ["--api-key", args.api_key]

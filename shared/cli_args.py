@@ -110,6 +110,11 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-deliver", type=int, default=int(env("PDSERVE_MAX_DELIVER", "3")))
     p.add_argument("--lease-ttl", type=float, default=float(env("PDSERVE_LEASE_TTL", "60")),
                    help="seconds a request's KV blocks stay leased in the kvstore if no one releases them")
+    p.add_argument("--core-share", default=env("PDSERVE_CORE_SHARE"),
+                   help="file through which the engines of this host lend each other their cores while idle "
+                        "(pdserve up sets it); this worker's own share is --threads")
+    p.add_argument("--core-slot", type=int, default=int(env("PDSERVE_CORE_SLOT", "0")),
+                   help="this worker's slot in --core-share (unique per worker on the host)")
 
 
 def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
@@ -120,5 +125,6 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
         role=role, instance=args.instance or f"{role}-{socket.gethostname()}-{os.getpid()}",
         engine=engine, **connection_fields(args), kvstore=args.kvstore, kv_use_shm=not args.kv_network,
         kv_failure_policy=args.kv_failure_policy, max_inflight=args.max_inflight, ack_wait_s=args.ack_wait,
-        max_deliver=args.max_deliver, lease_ttl_s=args.lease_ttl,
+        max_deliver=args.max_deliver, lease_ttl_s=args.lease_ttl, core_share=args.core_share,
+        core_slot=args.core_slot,
     )

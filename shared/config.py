@@ -112,6 +112,8 @@ class WorkerConfig(ConnectionConfig):
     ack_wait_s: float = 10.0
     max_deliver: int = 3
     lease_ttl_s: float = 60.0  # how long KV blocks wait for a decode worker
+    core_share: str | None = None  # file the engines of this host lend each other idle cores through
+    core_slot: int = 0  # this worker's slot in it
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):

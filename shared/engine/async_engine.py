@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.engine.cores import CoreShare
 from shared.engine.engine import LLMEngine, RequestOutput
 from shared.engine.sequence import FinishReason
 
@@ -44,8 +45,9 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, cores: CoreShare | None = None):
         self.engine = engine
+        self.cores = cores  # lend this engine's cores to the others on the host while idle
         self._streams: dict[str, RequestStream] = {}
         self._commands: list[Callable[[], None]] = []
         self._wake = asyncio.Event()
@@ -103,14 +105,25 @@ class AsyncEngine:
                 self._wake.clear()
                 if self._commands:
                     continue
+                if self.cores is not None:
+                    self.cores.set_busy(False)
                 waiter = asyncio.ensure_future(self._wake.wait())
                 stopper = asyncio.ensure_future(stop.wait())
                 await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
                 stopper.cancel()
                 continue
-            outputs = await asyncio.to_thread(self.engine.step)
+            outputs = await asyncio.to_thread(self._step)
             self._deliver(outputs)
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step (in the worker thread), on this engine's cores plus those lent to it."""
+        if self.cores is not None:
+            self.cores.set_busy(True)
+            threads = self.cores.threads()
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
+        return self.engine.step()
 
     def _apply_commands(self) -> None:
         commands, self._commands = self._commands, []

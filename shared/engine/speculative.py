@@ -288,18 +288,25 @@ class Speculator:
         while heap and budget > 0:
             gain, i = heapq.heappop(heap)
             gain = -gain
-            more = self.cost(rows + 1) - self.cost(rows)
-            if not seqs[i].params.greedy:
-                more += self.sample_row_seconds  # its rows are sampled (temperature, top-k/p), not argmaxed
-            if self.draft is not None and ks[i] + 1 > draft_depth:
-                more += self.draft.pass_seconds  # one more draft pass for the batch
-            if gain * secs <= self.MARGIN * tokens * more:
-                break  # its tokens per second (gain / more) no longer beat the step's (tokens / secs) enough
-            ks[i] += 1
+            # the measured step time need not be convex in rows (the kernel works in tiles of 4 rows),
+            # so the next proposal is judged together with the ones after it: the best run of j more
+            best_j, best_gain, best_more, total = 0, 0.0, 0.0, 0.0
+            for j in range(1, min(limit[i] - ks[i], budget) + 1):
+                total += gain * alphas[i] ** (j - 1)  # expected tokens from these j proposals
+                more = self.cost(rows + j) - self.cost(rows)
+                if not seqs[i].params.greedy:
+                    more += j * self.sample_row_seconds  # its rows are sampled (temperature, top-k/p)
+                if self.draft is not None and ks[i] + j > draft_depth:
+                    more += (ks[i] + j - draft_depth) * self.draft.pass_seconds  # more draft passes
+                if total * secs > self.MARGIN * tokens * more and (best_j == 0 or total * best_more > best_gain * more):
+                    best_j, best_gain, best_more = j, total, more
+            if best_j == 0:
+                break  # its tokens per second of extra time no longer beat the step's (tokens / secs) enough
+            ks[i] += best_j
             draft_depth = max(draft_depth, ks[i])
-            rows, budget, tokens, secs = rows + 1, budget - 1, tokens + gain, secs + more
+            rows, budget, tokens, secs = rows + best_j, budget - best_j, tokens + best_gain, secs + best_more
             if ks[i] < limit[i]:
-                heapq.heappush(heap, (-gain * alphas[i], i))
+                heapq.heappush(heap, (-gain * alphas[i] ** best_j, i))
         self._plans += 1
         if self._plans % self.EXPLORE_EVERY == 0 and not any(ks):
             # now and then one proposal is verified anyway: acceptance judged too low is measured again

@@ -9,7 +9,10 @@ import time
 from collections import OrderedDict
 
 from shared.config import WorkerConfig
+import torch
+
 from shared.engine.async_engine import AsyncEngine
+from shared.engine.cores import CoreShare
 from shared.engine.engine import LLMEngine
 from shared.protocol import subjects
 from shared.protocol.convert import to_params
@@ -44,7 +47,10 @@ class WorkerRuntime:
     def __init__(self, config: WorkerConfig, engine: LLMEngine):
         self.config = config
         self.engine = engine
-        self.async_engine = AsyncEngine(engine)
+        cores = None
+        if config.core_share:
+            cores = CoreShare(config.core_share, config.core_slot, engine.config.num_threads or torch.get_num_threads())
+        self.async_engine = AsyncEngine(engine, cores)
         self.cancelled = CancelledSet()
         self.attempts: dict[str, int] = {}  # request id → the attempt of it this worker holds
         self.nc = None

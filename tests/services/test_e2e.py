@@ -124,12 +124,13 @@ def test_speculative_decoding_across_the_split(disagg):
     offline = offline_greedy(p, 40)
     body = chat(disagg, p, max_tokens=40)
     assert body["choices"][0]["message"]["content"] == offline
-    usage = body["usage"]
-    assert 0 < usage["accepted_tokens"] <= usage["draft_tokens"]
-    assert usage["completion_tokens_details"]["accepted_prediction_tokens"] == usage["accepted_tokens"]
     text, chunks = stream_chat(disagg, p, max_tokens=40)
     assert text == offline
-    assert chunks[-1]["usage"]["accepted_tokens"] > 0
+    # how much is proposed is the worker's decision, from measured step times: in total, not per request
+    usages = [body["usage"], chunks[-1]["usage"]]
+    assert all(0 <= u["accepted_tokens"] <= u["draft_tokens"] for u in usages)
+    assert all(u["completion_tokens_details"]["accepted_prediction_tokens"] == u["accepted_tokens"] for u in usages)
+    assert sum(u["accepted_tokens"] for u in usages) > 0, usages
     deadline = time.time() + 10
     while time.time() < deadline:  # workers publish their counters with each heartbeat
         accepted = metric_values(disagg, "pdserve_spec_decode_num_accepted_tokens_total")

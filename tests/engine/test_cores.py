@@ -1,0 +1,61 @@
+"""Engines on one host lend each other their cores while idle (shared/engine/cores.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from shared.engine.async_engine import AsyncEngine
+from shared.engine.cores import CoreShare
+from shared.model.sampling import SamplingParams
+from tests.engine.test_async_engine import collect
+from tests.engine.test_engine import make_engine, prompts
+
+
+def test_a_busy_worker_borrows_the_shares_of_the_idle_ones(tmp_path):
+    path = tmp_path / "cores"
+    prefill, decode, other = CoreShare(path, 0, 1), CoreShare(path, 1, 1), CoreShare(path, 2, 2)
+    assert decode.threads() == 4  # everyone else idle: the whole host
+    decode.set_busy(True)
+    other.set_busy(True)
+    assert decode.threads() == 2 and other.threads() == 3 and prefill.threads() == 1
+    prefill.set_busy(True)
+    assert (prefill.threads(), decode.threads(), other.threads()) == (1, 1, 2)  # all busy: their own shares
+    other.close()  # a worker that is gone lends nothing and borrows nothing
+    decode.set_busy(False)
+    assert prefill.threads() == 2
+    with pytest.raises(ValueError):
+        CoreShare(path, 64, 1)
+    with pytest.raises(ValueError):
+        CoreShare(path, 3, 0)
+
+
+async def test_the_engine_steps_on_borrowed_cores_and_lends_its_own_when_idle(tmp_path):
+    path = tmp_path / "cores"
+    neighbour = CoreShare(path, 1, 1)  # an idle worker beside this one
+    threads_in_steps = []
+    engine = make_engine()
+    step = engine.step
+
+    def recording_step():
+        threads_in_steps.append(torch.get_num_threads())
+        assert neighbour.threads() == 1  # this engine is busy: nothing to borrow from it
+        return step()
+
+    engine.step = recording_step
+    async_engine = AsyncEngine(engine, CoreShare(path, 0, 1))
+    before = torch.get_num_threads()
+    stop = asyncio.Event()
+    loop = asyncio.create_task(async_engine.run(stop))
+    try:
+        tokens, _ = await collect(async_engine.add_request("a", prompts([9])[0], SamplingParams(temperature=0, max_tokens=4)))
+        assert len(tokens) == 4
+        assert threads_in_steps and set(threads_in_steps) == {2}  # its own share + the idle neighbour's
+        await asyncio.sleep(0.05)
+        assert neighbour.threads() == 2  # idle again: its core is lent back
+    finally:
+        stop.set()
+        await loop
+        torch.set_num_threads(before)
