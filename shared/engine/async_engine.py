@@ -45,9 +45,10 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, cores: CoreShare | None = None):
+    def __init__(self, engine: LLMEngine, cores: CoreShare | None = None, borrow_from: int = 1):
         self.engine = engine
         self.cores = cores  # lend this engine's cores to the others on the host while idle
+        self.borrow_from = borrow_from  # … and borrow theirs for steps of at least this many sequences
         self._streams: dict[str, RequestStream] = {}
         self._commands: list[Callable[[], None]] = []
         self._wake = asyncio.Event()
@@ -120,7 +121,8 @@ class AsyncEngine:
         """One engine step (in the worker thread), on this engine's cores plus those lent to it."""
         if self.cores is not None:
             self.cores.set_busy(True)
-            threads = self.cores.threads()
+            sched = self.engine.scheduler
+            threads = self.cores.threads() if sched.num_unfinished >= self.borrow_from else self.cores.share
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
         return self.engine.step()

@@ -50,7 +50,9 @@ class WorkerRuntime:
         cores = None
         if config.core_share:
             cores = CoreShare(config.core_share, config.core_slot, engine.config.num_threads or torch.get_num_threads())
-        self.async_engine = AsyncEngine(engine, cores)
+        # a decode step of one sequence is short and runs beside the gateway and NATS: a team of
+        # borrowed threads loses more to being descheduled at its barriers than it gains (measured)
+        self.async_engine = AsyncEngine(engine, cores, borrow_from=1 if config.role == "prefill" else 2)
         self.cancelled = CancelledSet()
         self.attempts: dict[str, int] = {}  # request id → the attempt of it this worker holds
         self.nc = None
