@@ -101,21 +101,21 @@ def main() -> int:
     print("\ncell            A tok/s     B tok/s    B÷A     TPOT A/B ms      acceptance  accepted/draft  per draft")
     table = {}
     for cell in passes[0][1]:
-        off = [c[cell] for m, c in passes if m == "A"]
-        on = [c[cell] for m, c in passes if m == "B"]
-        off_tps = statistics.mean(x["output_tok_s"] for x in off)
-        on_tps = statistics.mean(x["output_tok_s"] for x in on)
-        drafted = sum(x["draft_tokens"] for x in on)
-        accepted = sum(x["accepted_tokens"] for x in on)
-        drafts = sum(x["drafts"] for x in on)
-        tpot_off = statistics.mean(x["tpot_mean_ms"] for x in off)
-        tpot_on = statistics.mean(x["tpot_mean_ms"] for x in on)
-        table[cell] = {"a_tok_s": off_tps, "b_tok_s": on_tps, "ratio": on_tps / off_tps,
-                       "tpot_a_ms": tpot_off, "tpot_b_ms": tpot_on, "tpot_ratio": tpot_off / tpot_on,
+        a = [c[cell] for m, c in passes if m == "A"]
+        b = [c[cell] for m, c in passes if m == "B"]
+        a_tps = statistics.mean(x["output_tok_s"] for x in a)
+        b_tps = statistics.mean(x["output_tok_s"] for x in b)
+        drafted = sum(x["draft_tokens"] for x in b)
+        accepted = sum(x["accepted_tokens"] for x in b)
+        drafts = sum(x["drafts"] for x in b)
+        tpot_a = statistics.mean(x["tpot_mean_ms"] for x in a)
+        tpot_b = statistics.mean(x["tpot_mean_ms"] for x in b)
+        table[cell] = {"a_tok_s": a_tps, "b_tok_s": b_tps, "ratio": b_tps / a_tps,
+                       "tpot_a_ms": tpot_a, "tpot_b_ms": tpot_b, "tpot_ratio": tpot_a / tpot_b,
                        "draft_tokens": drafted, "accepted_tokens": accepted,
                        "mean_accepted_per_draft": accepted / drafts if drafts else 0.0}
         rate = accepted / drafted if drafted else 0.0
-        print(f"{cell:14s} {off_tps:9.1f} {on_tps:10.1f} {on_tps / off_tps:7.2f}x   {tpot_off:6.2f}/{tpot_on:5.2f}"
+        print(f"{cell:14s} {a_tps:9.1f} {b_tps:10.1f} {b_tps / a_tps:7.2f}x   {tpot_a:6.2f}/{tpot_b:5.2f}"
               f"      {rate:6.1%}    {accepted:.0f}/{drafted:.0f}  {accepted / drafts if drafts else 0:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"a_args": args.a_args, "b_args": args.b_args, "order": ORDER,

@@ -39,6 +39,10 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.config import SpecConfig
+from shared.engine.model_runner import ModelRunner, ScheduledChunk
+from shared.kvcache.block_pool import BlockPool
+from shared.kvcache.kv_cache import KVCache
+from shared.kvcache.kv_cache_manager import KVCacheManager
 
 log = logging.getLogger(__name__)
 
@@ -364,11 +368,6 @@ class DraftModelProposer:
     CATCH_UP_TOKENS = 512  # most tokens one sequence feeds the draft in one step
 
     def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: torch.dtype, fused: bool = True):
-        from shared.engine.model_runner import ModelRunner
-        from shared.kvcache.block_pool import BlockPool
-        from shared.kvcache.kv_cache import KVCache
-        from shared.kvcache.kv_cache_manager import KVCacheManager
-
         self.model = model
         self.kv_cache = KVCache(model.config, num_blocks, block_size, dtype=kv_dtype, device="cpu")
         self.pool = BlockPool(num_blocks, enable_prefix_caching=False)
@@ -378,8 +377,6 @@ class DraftModelProposer:
         self.pass_seconds = 0.0  # measured: one batched draft pass
 
     def propose(self, seqs: list, want: list[int]) -> list[list[int]]:
-        from shared.engine.model_runner import ScheduledChunk
-
         out: list[list[int]] = [[] for _ in seqs]
         active = []
         for i, (seq, k) in enumerate(zip(seqs, want)):
