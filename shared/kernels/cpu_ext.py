@@ -4,8 +4,10 @@ It is compiled for this machine's CPU (`-march=native`) with the compiler torch 
 cached under `$PDSERVE_HOME/ext/` keyed by a hash of the sources, torch's version and the CPU, so
 a cold start pays the build once (~1 min on 2 cores) and every later process loads it in
 milliseconds. Concurrent first starts (a prefill and a decode worker) serialise on an flock, which
-a process killed mid-build cannot leave held. It needs AVX-512 (with F16C); where that is missing, or the build fails, `load()` returns
-None once with a warning and the model runs its torch path.
+a process killed mid-build cannot leave held. It runs on AVX-512 (F, BW, VL and VNNI) or on AVX2
+with FMA and F16C (`cpu/simd.h`: the same kernels, the same numbers lane for lane); where neither
+is there, or the build fails, `load()` returns None once with a warning and the model runs its
+torch path.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from shared.model.hub import pdserve_home
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "cpu" / name for name in ("quant_matmul.cpp", "model_forward.cpp")]
-_HEADERS = [Path(__file__).parent / "cpu" / "quant_matmul.h"]
+_HEADERS = [Path(__file__).parent / "cpu" / name for name in ("quant_matmul.h", "simd.h")]
 
 
 def cpu_supported() -> tuple[bool, str]:
@@ -35,7 +37,7 @@ def cpu_supported() -> tuple[bool, str]:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False, "cannot read /proc/cpuinfo"
-    missing = [f for f in ("avx512f", "avx512bw", "f16c", "fma") if f" {f}" not in flags]
+    missing = [f for f in ("avx2", "f16c", "fma") if f" {f}" not in flags]
     if missing:
         return False, f"CPU lacks {', '.join(missing)}"
     return True, ""

@@ -11,7 +11,7 @@ prefill chunks, large batches — computes with the same values in the same orde
     [N, K] Q4_1 blocks  ->  uint8 [N, K/32 * 20], codes | scales  ->  y = x @ (q*d + m)^T   (fp32 out)
 
 Types the kernel has no code for (Q6_K, F16, …) and safetensors checkpoints are held dense in fp32
-(type F32), which the same kernel multiplies. Without the CPU extension (no AVX-512, or CUDA) a
+(type F32), which the same kernel multiplies. Without the CPU extension (no AVX2, or CUDA) a
 layer falls back to a dense copy of the same fp32 weights and `torch.nn.functional.linear`.
 """
 

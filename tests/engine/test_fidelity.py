@@ -118,7 +118,7 @@ def check(name: str, exact: LLMEngine, prompts, base, other) -> None:
     assert not diverged
 
 
-def test_greedy_output_does_not_depend_on_batch_cache_chunking_or_split(default_gguf, default_engine, exact_engine):
+def test_greedy_output_does_not_depend_on_batch_cache_chunking_split_or_resumption(default_gguf, default_engine, exact_engine):
     tok = default_engine.tokenizer
     prompts = [chat(tok, q) for q in PROMPTS]
     alone = [generate(default_engine, [p])[0] for p in prompts]  # cold: each prompt's first time
@@ -161,3 +161,12 @@ def test_greedy_output_does_not_depend_on_batch_cache_chunking_or_split(default_
                 tokens.extend(out.new_token_ids)
         split.append(tokens[:48])
     check("colocated vs disaggregated", exact_engine, prompts, alone, split)
+
+    # (e) resumed: the prompt plus the first k tokens as a new prompt (what a migration to another
+    # decode worker does: those tokens are then prefilled, not decoded) continues identically
+    resumed = []
+    for i, (p, out) in enumerate(zip(prompts, alone)):
+        k = 5 + 7 * (i % 5)
+        rest = no_cache.generate([p + out[:k]], SamplingParams(temperature=0.0, max_tokens=48 - k, ignore_eos=True))
+        resumed.append(out[:k] + rest[0].new_token_ids)
+    check("decoded vs resumed", exact_engine, prompts, alone, resumed)

@@ -110,7 +110,7 @@ def test_fused_forward_matches_the_torch_path(ggml_type):
     from tests.model_utils import blocks_model
 
     if cpu_ext.load() is None:
-        pytest.skip("the CPU extension needs AVX-512 VNNI")
+        pytest.skip("the CPU extension needs AVX2 (or AVX-512)")
     model = blocks_model(tiny_model(seed=4), ggml_type)
     prompts = _prompts(model.config.vocab_size, [5, 17, 33, 2])
     kv = KVCache(model.config, 64, 16)

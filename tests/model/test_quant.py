@@ -12,7 +12,7 @@ from shared.model.quant import F32, Q4_1, Q8_0, QuantLinear, QuantTensor
 gguf_quants = pytest.importorskip("gguf.quants")
 from gguf.constants import GGMLQuantizationType  # noqa: E402
 
-needs_ext = pytest.mark.skipif(cpu_ext.load() is None, reason="the CPU extension needs AVX-512 VNNI")
+needs_ext = pytest.mark.skipif(cpu_ext.load() is None, reason="the CPU extension needs AVX2 (or AVX-512)")
 
 
 def file_blocks(w: np.ndarray, ggml_type: int) -> QuantTensor:

@@ -94,18 +94,13 @@ def test_only_decode_worker_killed_every_stream_ends_with_an_error(tmp_path_fact
     stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "1", "--gateway-arg=--inactivity-timeout=5",
                     "--gateway-arg=--max-migrations=0", "--worker-arg=--lease-ttl=10")
     try:
-        results = []
-        threads = [threading.Thread(target=lambda i=i: results.append(
-            stream_events(url, f"Tell me a long story number {i}.", 300))) for i in range(4)]
-        for t in threads:
-            t.start()
-        time.sleep(3)  # the streams are decoding
+        # long enough (ignore_eos) that no stream can finish before the kill, however fast decode is
+        prompts = [f"Tell me a long story number {i}." for i in range(4)]
+        results, threads = streams_reaching_decode0(stack, url, prompts, 4000, settle_s=0.5)
         stack.process("decode-0").send_signal(signal.SIGKILL)
-        for t in threads:
-            t.join(60)
-        assert not any(t.is_alive() for t in threads), "a stream hung"
+        join_all(threads, 60)
         assert len(results) == 4
-        for text, errors, secs in results:
+        for text, errors, secs in results.values():
             assert errors, f"stream ended without an error event after {len(text)} chars"
             assert any("died" in e["message"] or "no tokens" in e["message"] for e in errors), errors
             assert secs < 3 + 5 + 10
@@ -163,8 +158,8 @@ def test_decode_worker_killed_40_streams_migrate_and_complete(tmp_path_factory):
     stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "2", "--gateway-arg=--inactivity-timeout=30")
     prompts = [f"Write a short story about a robot named Unit {i}." for i in range(40)]
     try:
-        expected = undisturbed(url, prompts, 24)
-        results, threads = streams_reaching_decode0(stack, url, prompts, 24, settle_s=1.0)
+        expected = undisturbed(url, prompts, 48)
+        results, threads = streams_reaching_decode0(stack, url, prompts, 48, settle_s=0.5)
         t_kill = time.monotonic()
         stack.process("decode-0").send_signal(signal.SIGKILL)
         join_all(threads, 180)

@@ -13,7 +13,6 @@
 // operations in the same order whatever else is in the call (no reduction crosses rows; a
 // prefill row attends exactly as a decode step at its position would), so a sequence's tokens do
 // not depend on its batch, on how its prompt was chunked, or on which of its blocks were cached.
-#include <immintrin.h>
 #include <omp.h>
 #include <torch/extension.h>
 
@@ -21,6 +20,7 @@
 #include <vector>
 
 #include "quant_matmul.h"
+#include "simd.h"
 
 namespace pdserve {
 namespace {
@@ -30,32 +30,28 @@ constexpr int64_t kPosChunk = 256;  // cache positions per attention work item
 constexpr int64_t kUnitRows = 16;   // rows of one sequence per attention work item (they share its keys)
 constexpr int64_t kRowBlock = 64;   // rows per matmul work item: their prepared activations stay in L2
 
+using namespace simd;
+
 // exp(x) for 16 lanes: Cody-Waite range reduction + degree-6 polynomial, ~1 ulp on [-87, 88].
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
+inline vf exp16(vf x) {
+  x = max(min(x, set1(88.3762626647949f)), set1(-87.0f));
+  const vf n = round(mul(x, set1(1.44269504088896341f)));
+  vf r = fnmadd(n, set1(0.693359375f), x);
+  r = fnmadd(n, set1(-2.12194440e-4f), r);
+  vf p = set1(1.9875691500E-4f);
+  p = fmadd(p, r, set1(1.3981999507E-3f));
+  p = fmadd(p, r, set1(8.3334519073E-3f));
+  p = fmadd(p, r, set1(4.1665795894E-2f));
+  p = fmadd(p, r, set1(1.6666665459E-1f));
+  p = fmadd(p, r, set1(5.0000001201E-1f));
+  p = fmadd(mul(p, r), r, add(r, set1(1.0f)));
+  return scale2(p, n);
 }
 
 // 16 cache values -> fp32
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+inline vf load16(const float* p) { return load(p); }
+inline vf load16(const c10::BFloat16* p) { return load_bf16(reinterpret_cast<const uint16_t*>(p)); }
+inline vf load16(const c10::Half* p) { return load_f16(reinterpret_cast<const uint16_t*>(p)); }
 
 template <typename T>
 inline void store_cache(T* dst, const float* src, int64_t n) {
@@ -63,15 +59,14 @@ inline void store_cache(T* dst, const float* src, int64_t n) {
 }
 
 void rmsnorm_row(const float* x, const float* w, float* out, int64_t d, float eps) {
-  __m512 ss = _mm512_setzero_ps();
+  vf ss = zero();
   for (int64_t i = 0; i < d; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    ss = _mm512_fmadd_ps(v, v, ss);
+    const vf v = load(x + i);
+    ss = fmadd(v, v, ss);
   }
-  const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(d) + eps);
-  const __m512 s = _mm512_set1_ps(scale);
-  for (int64_t i = 0; i < d; i += 16)
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), s), _mm512_loadu_ps(w + i)));
+  const float scale = 1.0f / std::sqrt(reduce_add(ss) / static_cast<float>(d) + eps);
+  const vf s = set1(scale);
+  for (int64_t i = 0; i < d; i += 16) store(out + i, mul(mul(load(x + i), s), load(w + i)));
 }
 
 QuantWeight as_weight(const torch::Tensor& t, int64_t type, int64_t n, int64_t k) {
@@ -324,9 +319,9 @@ class DecodeModel {
             const float* g = gu + (m - m0) * ld;
             float* a = act + m * F + c0;
             if (w == 16) {  // silu(g) * up = g * up / (1 + exp(-g))
-              const __m512 gv = _mm512_loadu_ps(g);
-              const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
-              _mm512_storeu_ps(a, _mm512_div_ps(_mm512_mul_ps(gv, _mm512_loadu_ps(g + kColChunk)), den));
+              const vf gv = load(g);
+              const vf den = add(set1(1.0f), exp16(sub(zero(), gv)));
+              store(a, div(mul(gv, load(g + kColChunk)), den));
             } else {
               for (int64_t i = 0; i < w; i++) a[i] = g[i] * g[kColChunk + i] / (1.0f + std::exp(-g[i]));
             }
@@ -372,7 +367,7 @@ class DecodeModel {
 
   // One work item: the partials (max, sum, unnormalised o per query head) of its rows over its
   // positions. The item's keys are gathered once, transposed to fp32 (kt[i][t]), and its values
-  // widened (vf[t][i]); then each row, alone:
+  // widened (vals[t][i]); then each row, alone:
   //   scores[t] = scale * sum_i q[i] k_t[i]   (16 positions per vector, i in order)
   //   softmax numerators and their sum;  o = sum_t p_t v_t  (t in order)
   // Every number of a row is computed the same way whichever rows share the item, so a prefill row
@@ -384,8 +379,8 @@ class DecodeModel {
     const int64_t G = hq_ / hkv_, Dh = dh_;
     const int64_t n_max = std::min<int64_t>(un.t0 + kPosChunk, pos[un.r1 - 1] + 1) - un.t0;
     float* kt = work;                      // [Dh][kPosChunk]
-    float* vf = kt + Dh * kPosChunk;       // [kPosChunk][Dh]
-    float* scores = vf + kPosChunk * Dh;   // [G][kPosChunk]
+    float* vals = kt + Dh * kPosChunk;     // [kPosChunk][Dh]
+    float* scores = vals + kPosChunk * Dh; // [G][kPosChunk]
     float* qrot = scores + G * kPosChunk;  // [G][Dh]
     // 16 positions at a time, so each line of kt is written whole (lanes past n_max are computed,
     // never used: zeros keep them finite)
@@ -395,15 +390,15 @@ class DecodeModel {
       for (int64_t j = 0; j < m; j++) {
         const int64_t p = un.t0 + tb + j;
         k[j] = layer_cache + table[p / bs] * s_block + (p % bs) * kv_size + un.h * Dh;
-        for (int64_t i = 0; i < Dh; i += 16) _mm512_storeu_ps(vf + (tb + j) * Dh + i, load16(k[j] + s_kv + i));
+        for (int64_t i = 0; i < Dh; i += 16) store(vals + (tb + j) * Dh + i, load16(k[j] + s_kv + i));
       }
       for (int64_t i = 0; i < Dh; i++) {
         alignas(64) float col[16] = {};
         for (int64_t j = 0; j < m; j++) col[j] = static_cast<float>(k[j][i]);
-        _mm512_storeu_ps(kt + i * kPosChunk + tb, _mm512_load_ps(col));
+        store(kt + i * kPosChunk + tb, load(col));
       }
     }
-    const __m512 vscale = _mm512_set1_ps(scale);
+    const vf vscale = set1(scale);
     for (int64_t r = un.r0; r < un.r1; r++) {
       if (pos[r] < un.t0) continue;
       const int64_t n = std::min<int64_t>(un.t0 + kPosChunk, pos[r] + 1) - un.t0;
@@ -416,19 +411,19 @@ class DecodeModel {
         const float* q = qrot + g * Dh;
         float* sg = scores + g * kPosChunk;
         for (int64_t tb = 0; tb < n; tb += 16) {
-          __m512 acc = _mm512_setzero_ps();
-          for (int64_t i = 0; i < Dh; i++) acc = _mm512_fmadd_ps(_mm512_set1_ps(q[i]), _mm512_loadu_ps(kt + i * kPosChunk + tb), acc);
-          _mm512_storeu_ps(sg + tb, _mm512_mul_ps(acc, vscale));
+          vf acc = zero();
+          for (int64_t i = 0; i < Dh; i++) acc = fmadd(set1(q[i]), load(kt + i * kPosChunk + tb), acc);
+          store(sg + tb, mul(acc, vscale));
         }
         float mx = -INFINITY;
         for (int64_t t = 0; t < n; t++) mx = std::max(mx, sg[t]);
-        const __m512 m = _mm512_set1_ps(mx);
-        __m512 sum = _mm512_setzero_ps();
+        const vf m = set1(mx);
+        vf sum = zero();
         int64_t t = 0;
         for (; t + 16 <= n; t += 16) {
-          const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
-          _mm512_storeu_ps(sg + t, e);
-          sum = _mm512_add_ps(sum, e);
+          const vf e = exp16(sub(load(sg + t), m));
+          store(sg + t, e);
+          sum = add(sum, e);
         }
         float tail = 0.0f;
         for (; t < n; t++) {
@@ -436,39 +431,38 @@ class DecodeModel {
           tail += sg[t];
         }
         pr[g * (Dh + 2)] = mx;
-        pr[g * (Dh + 2) + 1] = _mm512_reduce_add_ps(sum) + tail;
+        pr[g * (Dh + 2) + 1] = reduce_add(sum) + tail;
       }
       // o[g] = sum_t p[g, t] v[t], t in order. Head size 64 with up to 4 query heads per kv head keeps
       // the sums in registers; the general loop below does the same operations in the same order.
       if (Dh == 64 && G <= 4) {
-        __m512 acc[4][4];
+        vf acc[4][4];
         for (int g = 0; g < 4; g++)
-          for (int cc = 0; cc < 4; cc++) acc[g][cc] = _mm512_setzero_ps();
+          for (int cc = 0; cc < 4; cc++) acc[g][cc] = zero();
         for (int64_t t = 0; t < n; t++) {
-          const float* v = vf + t * Dh;
-          const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
-                       v3 = _mm512_loadu_ps(v + 48);
+          const float* v = vals + t * Dh;
+          const vf v0 = load(v), v1 = load(v + 16), v2 = load(v + 32), v3 = load(v + 48);
           for (int g = 0; g < 4; g++) {
             if (g >= G) break;
-            const __m512 w = _mm512_set1_ps(scores[g * kPosChunk + t]);
-            acc[g][0] = _mm512_fmadd_ps(w, v0, acc[g][0]);
-            acc[g][1] = _mm512_fmadd_ps(w, v1, acc[g][1]);
-            acc[g][2] = _mm512_fmadd_ps(w, v2, acc[g][2]);
-            acc[g][3] = _mm512_fmadd_ps(w, v3, acc[g][3]);
+            const vf w = set1(scores[g * kPosChunk + t]);
+            acc[g][0] = fmadd(w, v0, acc[g][0]);
+            acc[g][1] = fmadd(w, v1, acc[g][1]);
+            acc[g][2] = fmadd(w, v2, acc[g][2]);
+            acc[g][3] = fmadd(w, v3, acc[g][3]);
           }
         }
         for (int64_t g = 0; g < G; g++)
-          for (int cc = 0; cc < 4; cc++) _mm512_storeu_ps(pr + g * (Dh + 2) + 2 + 16 * cc, acc[g][cc]);
+          for (int cc = 0; cc < 4; cc++) store(pr + g * (Dh + 2) + 2 + 16 * cc, acc[g][cc]);
         continue;
       }
       for (int64_t g = 0; g < G; g++)
         for (int64_t i = 0; i < Dh; i++) pr[g * (Dh + 2) + 2 + i] = 0.0f;
       for (int64_t t = 0; t < n; t++)
         for (int64_t i = 0; i < Dh; i += 16) {
-          const __m512 vv = _mm512_loadu_ps(vf + t * Dh + i);
+          const vf vv = load(vals + t * Dh + i);
           for (int64_t g = 0; g < G; g++) {
             float* o = pr + g * (Dh + 2) + 2 + i;
-            _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * kPosChunk + t]), vv, _mm512_loadu_ps(o)));
+            store(o, fmadd(set1(scores[g * kPosChunk + t]), vv, load(o)));
           }
         }
     }

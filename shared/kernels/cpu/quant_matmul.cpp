@@ -1,74 +1,52 @@
-// See quant_matmul.h. AVX-512 F/BW/VL + VNNI, and F16C for the fp16 block scales.
+// See quant_matmul.h. Written against simd.h: AVX-512 (F/BW/VL + VNNI) or AVX2 (+ FMA, F16C).
 #include "quant_matmul.h"
-
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
 
+#include "simd.h"
+
 namespace pdserve {
 
 namespace {
 
-// Q4_1 codes are read 4 blocks (one zmm) at a time, then a last pair (one ymm); within a group of
+using namespace simd;
+
+// Q4_1 codes are read 4 blocks (64 bytes) at a time, then a last pair (32 bytes); within a group of
 // g blocks the digits are laid out to match the nibbles:  [x[0:16] of each block | x[16:32] of each block].
-// Q8_0 codes are read 2 blocks (one zmm) at a time; digits in natural order.
-constexpr int kLanesQ4 = 4;  // int32 lanes per block after vpdpbusd (16 bytes of a block per half)
+// Q8_0 codes are read 2 blocks (64 bytes) at a time; digits in natural order.
+constexpr int kLanesQ4 = 4;  // int32 lanes per block after the dot product (16 bytes of a block per half)
 constexpr int kLanesQ8 = 8;
 
 int64_t padded_blocks(int64_t k) { return (k / 32 + 1) / 2 * 2; }
-
-inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// Two fp16 scales -> [a x L, b x L] over the lanes of an L*2-lane vector
-inline __m512 scales2x8(const uint16_t* d) {
-  uint32_t two;
-  __builtin_memcpy(&two, d, 4);
-  const __m128 ab = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
-  return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), _mm512_castps128_ps512(ab));
-}
-inline __m512 scales4x4(const uint16_t* d) {
-  const __m128 abcd = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(d)));
-  return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), _mm512_castps128_ps512(abcd));
-}
-inline __m256 scales2x4(const uint16_t* d) {
-  uint32_t two;
-  __builtin_memcpy(&two, d, 4);
-  const __m128 ab = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
-  return _mm256_permutexvar_ps(_mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), _mm256_castps128_ps256(ab));
-}
 
 // ------------------------------------------------------------------------------------------ F32
 
 template <int MT, int NT>
 void tile_f32(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t m, int64_t n) {
-  __m512 acc_lo[MT][NT], acc_hi[MT][NT];
+  vf acc_lo[MT][NT], acc_hi[MT][NT];
   for (int i = 0; i < MT; i++)
-    for (int j = 0; j < NT; j++) acc_lo[i][j] = acc_hi[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NT; j++) acc_lo[i][j] = acc_hi[i][j] = zero();
   for (int64_t b = 0; b < w.k / 32; b++) {
-    __m512 wlo[NT], whi[NT];
+    vf wlo[NT], whi[NT];
     for (int j = 0; j < NT; j++) {
       const float* row = reinterpret_cast<const float*>(w.data + (n + j) * w.row_bytes) + b * 32;
-      wlo[j] = _mm512_loadu_ps(row);
-      whi[j] = _mm512_loadu_ps(row + 16);
+      wlo[j] = load(row);
+      whi[j] = load(row + 16);
     }
     for (int i = 0; i < MT; i++) {
       const float* x = px.x + (m + i) * px.ldx + b * 32;
-      const __m512 xlo = _mm512_loadu_ps(x), xhi = _mm512_loadu_ps(x + 16);
+      const vf xlo = load(x), xhi = load(x + 16);
       for (int j = 0; j < NT; j++) {
-        acc_lo[i][j] = _mm512_fmadd_ps(wlo[j], xlo, acc_lo[i][j]);
-        acc_hi[i][j] = _mm512_fmadd_ps(whi[j], xhi, acc_hi[i][j]);
+        acc_lo[i][j] = fmadd(wlo[j], xlo, acc_lo[i][j]);
+        acc_hi[i][j] = fmadd(whi[j], xhi, acc_hi[i][j]);
       }
     }
   }
   for (int i = 0; i < MT; i++)
-    for (int j = 0; j < NT; j++) y[(m + i) * ldy + n + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[i][j], acc_hi[i][j]));
+    for (int j = 0; j < NT; j++) y[(m + i) * ldy + n + j] = reduce_add(add(acc_lo[i][j], acc_hi[i][j]));
 }
 
 // ----------------------------------------------------------------------------------------- Q4_1
@@ -77,7 +55,6 @@ template <int MT, int NT>
 void tile_q4_1(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t m, int64_t n) {
   const int64_t nb = w.nb, nquad = nb / 4;
   const bool pair_tail = nb % 4 != 0;
-  const __m512i nib = _mm512_set1_epi8(0x0F);
   const uint8_t* qs[NT];
   const uint16_t *ds[NT], *ms[NT];
   for (int j = 0; j < NT; j++) {
@@ -86,31 +63,28 @@ void tile_q4_1(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy,
     ms[j] = ds[j] + nb;
   }
   const int64_t xrow = nb * 32, srow = nb * kLanesQ4;
-  __m512 acc[MT][NT];
+  vf acc[MT][NT];
   for (int i = 0; i < MT; i++)
-    for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NT; j++) acc[i][j] = zero();
   for (int64_t q = 0; q < nquad; q++) {
-    __m512i lo[NT], hi[NT];
-    __m512 dv[NT];
+    vb lo[NT], hi[NT];
+    vf dv[NT];
     for (int j = 0; j < NT; j++) {
-      const __m512i c = _mm512_loadu_si512(qs[j] + q * 64);
-      lo[j] = _mm512_and_si512(c, nib);
-      hi[j] = _mm512_and_si512(_mm512_srli_epi16(c, 4), nib);
-      dv[j] = scales4x4(ds[j] + q * 4);
+      const vb c = load_b(qs[j] + q * 64);
+      lo[j] = lo_nibbles(c);
+      hi[j] = hi_nibbles(c);
+      dv[j] = bcast4x4(ds[j] + q * 4);
     }
     for (int i = 0; i < MT; i++) {
       const int8_t* x1 = px.d1.data() + (m + i) * xrow + q * 128;
       const int8_t* x2 = px.d2.data() + (m + i) * xrow + q * 128;
-      const __m512i x1lo = _mm512_loadu_si512(x1), x1hi = _mm512_loadu_si512(x1 + 64);
-      const __m512i x2lo = _mm512_loadu_si512(x2), x2hi = _mm512_loadu_si512(x2 + 64);
-      const __m512 s2 = _mm512_loadu_ps(px.s2.data() + (m + i) * srow + q * 16);
+      const vb x1lo = load_b(x1), x1hi = load_b(x1 + 64), x2lo = load_b(x2), x2hi = load_b(x2 + 64);
+      const vf s2 = load(px.s2.data() + (m + i) * srow + q * 16);
       for (int j = 0; j < NT; j++) {
-        __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[j], x1lo);
-        i1 = _mm512_dpbusd_epi32(i1, hi[j], x1hi);
-        __m512i i2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[j], x2lo);
-        i2 = _mm512_dpbusd_epi32(i2, hi[j], x2hi);
-        const __m512i iv = _mm512_add_epi32(_mm512_slli_epi32(i1, 8), i2);  // sum q * (256 x1 + x2)
-        acc[i][j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(iv), s2), dv[j], acc[i][j]);
+        const vi i1 = dot_u4(dot_u4(zero_i(), lo[j], x1lo), hi[j], x1hi);
+        const vi i2 = dot_u4(dot_u4(zero_i(), lo[j], x2lo), hi[j], x2hi);
+        const vi iv = add_i(shl8(i1), i2);  // sum q * (256 x1 + x2)
+        acc[i][j] = fmadd(mul(cvt_f(iv), s2), dv[j], acc[i][j]);
       }
     }
   }
@@ -123,31 +97,33 @@ void tile_q4_1(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy,
     for (int j = 0; j < NT; j++) {
       const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs[j] + b0 * 16));
       const __m256i lo2 = _mm256_and_si256(c, nib2), hi2 = _mm256_and_si256(_mm256_srli_epi16(c, 4), nib2);
-      const __m256 dv2 = scales2x4(ds[j] + b0);
+      const __m256 dv2 = bcast2x4(ds[j] + b0);
       for (int i = 0; i < MT; i++) {
-        const int8_t* x1 = px.d1.data() + (m + i) * xrow + b0 * 32;
-        const int8_t* x2 = px.d2.data() + (m + i) * xrow + b0 * 32;
-        __m256i i1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x1)));
-        i1 = _mm256_dpbusd_epi32(i1, hi2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x1 + 32)));
-        __m256i i2 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x2)));
-        i2 = _mm256_dpbusd_epi32(i2, hi2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x2 + 32)));
+        const __m256i* x1 = reinterpret_cast<const __m256i*>(px.d1.data() + (m + i) * xrow + b0 * 32);
+        const __m256i* x2 = reinterpret_cast<const __m256i*>(px.d2.data() + (m + i) * xrow + b0 * 32);
+        const __m256i i1 = dpbusd8(dpbusd8(_mm256_setzero_si256(), lo2, _mm256_loadu_si256(x1)), hi2, _mm256_loadu_si256(x1 + 1));
+        const __m256i i2 = dpbusd8(dpbusd8(_mm256_setzero_si256(), lo2, _mm256_loadu_si256(x2)), hi2, _mm256_loadu_si256(x2 + 1));
         const __m256i iv = _mm256_add_epi32(_mm256_slli_epi32(i1, 8), i2);
         const __m256 s2 = _mm256_loadu_ps(px.s2.data() + (m + i) * srow + b0 * kLanesQ4);
         acc2[i][j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(iv), s2), dv2, acc2[i][j]);
       }
     }
   }
-  // + sum_b m_b * xs_b, 16 blocks at a time (the last chunk masked)
+  // + sum_b m_b * xs_b, 16 blocks at a time (the last chunk zero-padded)
   for (int j = 0; j < NT; j++)
     for (int i = 0; i < MT; i++) {
       const float* xs = px.xs.data() + (m + i) * nb;
-      __m512 macc = _mm512_setzero_ps();
-      for (int64_t b = 0; b < nb; b += 16) {
-        const __mmask16 k = b + 16 <= nb ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (nb - b)) - 1);
-        const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, ms[j] + b));
-        macc = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, xs + b), macc);
+      vf macc = zero();
+      int64_t b = 0;
+      for (; b + 16 <= nb; b += 16) macc = fmadd(load_f16(ms[j] + b), load(xs + b), macc);
+      if (b < nb) {
+        alignas(64) uint16_t mt[16] = {};
+        alignas(64) float xt[16] = {};
+        std::copy(ms[j] + b, ms[j] + nb, mt);
+        std::copy(xs + b, xs + nb, xt);
+        macc = fmadd(load_f16(mt), load(xt), macc);
       }
-      y[(m + i) * ldy + n + j] = _mm512_reduce_add_ps(acc[i][j]) + hsum256(acc2[i][j]) + _mm512_reduce_add_ps(macc);
+      y[(m + i) * ldy + n + j] = reduce_add(acc[i][j]) + hsum8(acc2[i][j]) + reduce_add(macc);
     }
 }
 
@@ -163,36 +139,37 @@ void tile_q8_0(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy,
     ds[j] = reinterpret_cast<const uint16_t*>(us[j] + nb * 32);
   }
   const int64_t xrow = nb * 32, srow = nb * kLanesQ8;
-  __m512 acc[MT][NT];
+  vf acc[MT][NT];
   for (int i = 0; i < MT; i++)
-    for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NT; j++) acc[i][j] = zero();
   for (int64_t p = 0; p < nb / 2; p++) {
-    __m512i u[NT];
-    __m512 dv[NT];
+    vb u[NT];
+    vf dv[NT];
     for (int j = 0; j < NT; j++) {
-      u[j] = _mm512_loadu_si512(us[j] + p * 64);
-      dv[j] = scales2x8(ds[j] + p * 2);
+      u[j] = load_b(us[j] + p * 64);
+      dv[j] = bcast2x8(ds[j] + p * 2);
     }
     for (int i = 0; i < MT; i++) {
-      const __m512i x1 = _mm512_loadu_si512(px.d1.data() + (m + i) * xrow + p * 64);
-      const __m512i x2 = _mm512_loadu_si512(px.d2.data() + (m + i) * xrow + p * 64);
-      const __m512 s2 = _mm512_loadu_ps(px.s2.data() + (m + i) * srow + p * 16);
-      const __m512i corr = _mm512_loadu_si512(px.c1.data() + (m + i) * srow + p * 16);
+      const vb x1 = load_b(px.d1.data() + (m + i) * xrow + p * 64);
+      const vb x2 = load_b(px.d2.data() + (m + i) * xrow + p * 64);
+      const vf s2 = load(px.s2.data() + (m + i) * srow + p * 16);
       for (int j = 0; j < NT; j++) {
-        const __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[j], x1);
-        const __m512i i2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[j], x2);
-        // sum (q + 128) * (256 x1 + x2) - 128 * sum (256 x1 + x2) = sum q * (256 x1 + x2)
-        const __m512i iv = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(i1, 8), i2), corr);
-        acc[i][j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(iv), s2), dv[j], acc[i][j]);
+        vi iv = add_i(shl8(dot_q8(zero_i(), u[j], x1)), dot_q8(zero_i(), u[j], x2));
+        // biased codes: sum (q + 128) * (256 x1 + x2) - 128 * sum (256 x1 + x2) = sum q * (256 x1 + x2)
+        if constexpr (kQ8Biased) iv = sub_i(iv, load_i(px.c1.data() + (m + i) * srow + p * 16));
+        acc[i][j] = fmadd(mul(cvt_f(iv), s2), dv[j], acc[i][j]);
       }
     }
   }
   for (int i = 0; i < MT; i++)
-    for (int j = 0; j < NT; j++) y[(m + i) * ldy + n + j] = _mm512_reduce_add_ps(acc[i][j]);
+    for (int j = 0; j < NT; j++) y[(m + i) * ldy + n + j] = reduce_add(acc[i][j]);
 }
 
-// Rows in tiles of 4 (then 1), columns in tiles of 2 (then 1). Every (m, n) gets the same sequence
-// of floating-point operations whatever tile computes it (see the header).
+// Rows in tiles of kRowTile (then 1), columns in tiles of 2 (then 1). Every (m, n) gets the same
+// sequence of floating-point operations whatever tile computes it (see the header). AVX2 has 16
+// vector registers, not 32: its tiles hold half the rows.
+constexpr int kRowTile = PDSERVE_AVX512 ? 4 : 2;
+
 template <void (*T41)(const QuantWeight&, const PreparedX&, float*, int64_t, int64_t, int64_t),
           void (*T42)(const QuantWeight&, const PreparedX&, float*, int64_t, int64_t, int64_t),
           void (*T12)(const QuantWeight&, const PreparedX&, float*, int64_t, int64_t, int64_t),
@@ -200,7 +177,7 @@ template <void (*T41)(const QuantWeight&, const PreparedX&, float*, int64_t, int
 void tiles(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t n0, int64_t n1, int64_t m0,
            int64_t m1) {
   int64_t m = m0;
-  for (; m + 4 <= m1; m += 4) {
+  for (; m + kRowTile <= m1; m += kRowTile) {
     int64_t n = n0;
     for (; n + 2 <= n1; n += 2) T42(w, px, y, ldy, m, n);
     for (; n < n1; n++) T41(w, px, y, ldy, m, n);
@@ -249,7 +226,7 @@ void prepare_resize(PreparedX& p, int type, int64_t M, int64_t k, const float* x
   p.d2.resize(M * p.nb * 32);
   p.s2.resize(M * p.nb * lanes);
   if (type == kQ4_1) p.xs.resize(M * p.nb);
-  if (type == kQ8_0) p.c1.resize(M * p.nb * lanes);
+  if (type == kQ8_0 && kQ8Biased) p.c1.resize(M * p.nb * lanes);
 }
 
 void prepare_rows(PreparedX& p, int64_t m0, int64_t m1) {
@@ -266,25 +243,22 @@ void prepare_rows(PreparedX& p, int64_t m0, int64_t m1) {
       float s2 = 0.0f, xs = 0.0f;
       int32_t sum1 = 0, sum2 = 0;
       if (b < nreal) {
-        const __m512 lo = _mm512_loadu_ps(x + b * 32), hi = _mm512_loadu_ps(x + b * 32 + 16);
-        xs = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-        const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(lo)), _mm512_reduce_max_ps(_mm512_abs_ps(hi)));
+        const vf lo = load(x + b * 32), hi = load(x + b * 32 + 16);
+        xs = reduce_add(add(lo, hi));
+        const float amax = std::max(reduce_max(abs(lo)), reduce_max(abs(hi)));
         if (amax > 0.0f) {
           const float s1 = amax / 127.0f;
           s2 = s1 / 256.0f;  // exact: s1 = 256 * s2
-          const __m512 vs1 = _mm512_set1_ps(s1), vs2 = _mm512_set1_ps(s2);
-          const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
+          const vf vs1 = set1(s1), vs2 = set1(s2);
           for (int h = 0; h < 2; h++) {
-            const __m512 v = h ? hi : lo;
-            __m512i a = _mm512_cvtps_epi32(_mm512_div_ps(v, vs1));
-            a = _mm512_max_epi32(_mm512_min_epi32(a, lim), nlim);
-            const __m512 r = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(a), vs1, v);
-            __m512i c = _mm512_cvtps_epi32(_mm512_div_ps(r, vs2));
-            c = _mm512_max_epi32(_mm512_min_epi32(c, lim), nlim);
-            _mm_store_si128(reinterpret_cast<__m128i*>(q1 + 16 * h), _mm512_cvtepi32_epi8(a));
-            _mm_store_si128(reinterpret_cast<__m128i*>(q2 + 16 * h), _mm512_cvtepi32_epi8(c));
-            sum1 += _mm512_reduce_add_epi32(a);
-            sum2 += _mm512_reduce_add_epi32(c);
+            const vf v = h ? hi : lo;
+            const vi a = clamp127(cvt_i(div(v, vs1)));
+            const vf r = fnmadd(cvt_f(a), vs1, v);
+            const vi c = clamp127(cvt_i(div(r, vs2)));
+            store_i8(q1 + 16 * h, a);
+            store_i8(q2 + 16 * h, c);
+            sum1 += reduce_add_i(a);
+            sum2 += reduce_add_i(c);
           }
         } else {
           std::fill(q1, q1 + 32, 0);
@@ -306,9 +280,11 @@ void prepare_rows(PreparedX& p, int64_t m0, int64_t m1) {
       } else {
         std::copy(q1, q1 + 32, d1 + b * 32);
         std::copy(q2, q2 + 32, d2 + b * 32);
-        int32_t* c = p.c1.data() + m * nb * lanes + b * lanes;
-        c[0] = 128 * (256 * sum1 + sum2);
-        for (int l = 1; l < lanes; l++) c[l] = 0;
+        if (kQ8Biased) {
+          int32_t* c = p.c1.data() + m * nb * lanes + b * lanes;
+          c[0] = 128 * (256 * sum1 + sum2);
+          for (int l = 1; l < lanes; l++) c[l] = 0;
+        }
       }
     }
   }
@@ -319,9 +295,12 @@ void matmul_cols(const QuantWeight& w, const PreparedX& px, float* y, int64_t ld
   if (px.type != w.type || px.k != w.k) throw std::invalid_argument("activations prepared for another weight");
   if (m1 < 0) m1 = px.M;
   switch (w.type) {
-    case kQ4_1: return tiles<tile_q4_1<4, 1>, tile_q4_1<4, 2>, tile_q4_1<1, 2>, tile_q4_1<1, 1>>(w, px, y, ldy, n0, n1, m0, m1);
-    case kQ8_0: return tiles<tile_q8_0<4, 1>, tile_q8_0<4, 2>, tile_q8_0<1, 2>, tile_q8_0<1, 1>>(w, px, y, ldy, n0, n1, m0, m1);
-    case kF32: return tiles<tile_f32<4, 1>, tile_f32<4, 2>, tile_f32<1, 2>, tile_f32<1, 1>>(w, px, y, ldy, n0, n1, m0, m1);
+    case kQ4_1:
+      return tiles<tile_q4_1<kRowTile, 1>, tile_q4_1<kRowTile, 2>, tile_q4_1<1, 2>, tile_q4_1<1, 1>>(w, px, y, ldy, n0, n1, m0, m1);
+    case kQ8_0:
+      return tiles<tile_q8_0<kRowTile, 1>, tile_q8_0<kRowTile, 2>, tile_q8_0<1, 2>, tile_q8_0<1, 1>>(w, px, y, ldy, n0, n1, m0, m1);
+    case kF32:
+      return tiles<tile_f32<kRowTile, 1>, tile_f32<kRowTile, 2>, tile_f32<1, 2>, tile_f32<1, 1>>(w, px, y, ldy, n0, n1, m0, m1);
   }
   throw std::invalid_argument("unsupported weight type " + std::to_string(w.type));
 }

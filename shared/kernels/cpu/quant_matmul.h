@@ -9,9 +9,10 @@
 //
 // nb is the number of blocks rounded up to even (a padding block has d = m = 0).
 //
-// Q4_1 and Q8_0 multiply with integer dot products (AVX-512 VNNI): each block of 32 activations
-// is written as two int8 digits, x ~= s1*x1 + s2*x2 with s1 = max|x|/127 and s2 = s1/254, so the
-// activation keeps ~16 bits (error <= max|x| * 1.6e-5, against bf16's 2^-9 relative), and
+// Q4_1 and Q8_0 multiply with exact integer dot products (AVX-512 VNNI, or AVX2 maddubs + madd:
+// simd.h): each block of 32 activations is written as two int8 digits, x ~= s1*x1 + s2*x2 with
+// s1 = max|x|/127 and s2 = s1/256, so the activation keeps ~16 bits (error <= max|x| * 1.6e-5,
+// against bf16's 2^-9 relative), and
 //
 //   sum_j w_j x_j = d * (s1 * sum q x1 + s2 * sum q x2) + m * sum x      (sum x in fp32)
 //

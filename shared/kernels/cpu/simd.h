@@ -1,0 +1,242 @@
+// Sixteen-lane vectors for the CPU kernels, on AVX-512 (F/BW/VL + VNNI) or on AVX2 (+ FMA, F16C).
+//
+// The kernels are written once against these types. On AVX-512 each is one zmm register; on AVX2
+// it is two ymm registers (lanes 0-7 and 8-15) and every operation is done lane for lane the same
+// way, so a lane's result is the same on both: the integer dot products are exact on both, and
+// each floating-point lane sees the same operations in the same order. (Horizontal sums add the
+// two halves first, then within a half, as GCC's _mm512_reduce_add_ps does.)
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define PDSERVE_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PDSERVE_AVX512 0
+#else
+#error "the CPU kernels need AVX-512 (F, BW, VL, VNNI) or AVX2 with FMA and F16C"
+#endif
+
+namespace pdserve::simd {
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline int32_t hsum8i(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+// sum of 4 products u8 * s8 into each int32 lane of acc, exact. On AVX2 the pair sums of maddubs
+// saturate at 2^15: callers keep |u * s| + |u' * s'| below that (u <= 15 for nibbles; see dot_s8).
+inline __m256i dpbusd8(__m256i acc, __m256i u, __m256i s) {
+#if PDSERVE_AVX512
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// fp16 block scales broadcast over int32 lanes: [a x 4, b x 4] for 8 lanes
+inline __m256 bcast2x4(const uint16_t* d) {
+  uint32_t two;
+  __builtin_memcpy(&two, d, 4);
+  const __m128 ab = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(ab), _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
+}
+
+#if PDSERVE_AVX512
+
+struct vf {
+  __m512 v;
+};
+struct vi {
+  __m512i v;
+};
+struct vb {  // 64 bytes
+  __m512i v;
+};
+
+inline vf zero() { return {_mm512_setzero_ps()}; }
+inline vf set1(float x) { return {_mm512_set1_ps(x)}; }
+inline vf load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void store(float* p, vf a) { _mm512_storeu_ps(p, a.v); }
+inline vf load_f16(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+inline vf load_bf16(const uint16_t* p) {
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16))};
+}
+inline vf add(vf a, vf b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline vf sub(vf a, vf b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline vf mul(vf a, vf b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline vf div(vf a, vf b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline vf min(vf a, vf b) { return {_mm512_min_ps(a.v, b.v)}; }
+inline vf max(vf a, vf b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline vf abs(vf a) { return {_mm512_abs_ps(a.v)}; }
+inline vf fmadd(vf a, vf b, vf c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }   // a * b + c
+inline vf fnmadd(vf a, vf b, vf c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; } // c - a * b
+inline vf round(vf a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+inline float reduce_add(vf a) { return hsum8(_mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1))); }
+inline float reduce_max(vf a) { return _mm512_reduce_max_ps(a.v); }
+// a * 2^n for integral n in [-252, 254] (n as floats)
+inline vf scale2(vf a, vf n) { return {_mm512_scalef_ps(a.v, n.v)}; }
+
+inline vi cvt_i(vf a) { return {_mm512_cvtps_epi32(a.v)}; }  // round to nearest even
+inline vf cvt_f(vi a) { return {_mm512_cvtepi32_ps(a.v)}; }
+inline vi clamp127(vi a) { return {_mm512_max_epi32(_mm512_min_epi32(a.v, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127))}; }
+inline vi zero_i() { return {_mm512_setzero_si512()}; }
+inline vi load_i(const int32_t* p) { return {_mm512_loadu_si512(p)}; }
+inline vi add_i(vi a, vi b) { return {_mm512_add_epi32(a.v, b.v)}; }
+inline vi sub_i(vi a, vi b) { return {_mm512_sub_epi32(a.v, b.v)}; }
+inline vi shl8(vi a) { return {_mm512_slli_epi32(a.v, 8)}; }
+inline int32_t reduce_add_i(vi a) { return _mm512_reduce_add_epi32(a.v); }
+inline void store_i8(int8_t* p, vi a) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(a.v)); }
+
+inline vb load_b(const void* p) { return {_mm512_loadu_si512(p)}; }
+inline vb lo_nibbles(vb a) { return {_mm512_and_si512(a.v, _mm512_set1_epi8(0x0F))}; }
+inline vb hi_nibbles(vb a) { return {_mm512_and_si512(_mm512_srli_epi16(a.v, 4), _mm512_set1_epi8(0x0F))}; }
+// acc + sum of 4 products u8 (at most 15) * s8 per int32 lane
+inline vi dot_u4(vi acc, vb u, vb s) { return {_mm512_dpbusd_epi32(acc.v, u.v, s.v)}; }
+// acc + sum of 4 products (u - 128) * s per int32 lane, for u8 codes biased by 128, less the
+// correction: here sum u * s, so callers subtract 128 * sum s (kQ8Biased)
+constexpr bool kQ8Biased = true;
+inline vi dot_q8(vi acc, vb u, vb s) { return {_mm512_dpbusd_epi32(acc.v, u.v, s.v)}; }
+
+// fp16 block scales broadcast over int32 lanes: 16 lanes as [a x 4, b x 4, c x 4, d x 4], or [a x 8, b x 8]
+inline vf bcast4x4(const uint16_t* d) {
+  const __m128 abcd = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(d)));
+  return {_mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), _mm512_castps128_ps512(abcd))};
+}
+inline vf bcast2x8(const uint16_t* d) {
+  uint32_t two;
+  __builtin_memcpy(&two, d, 4);
+  const __m128 ab = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
+  return {_mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), _mm512_castps128_ps512(ab))};
+}
+
+#else  // AVX2
+
+struct vf {
+  __m256 lo, hi;
+};
+struct vi {
+  __m256i lo, hi;
+};
+struct vb {
+  __m256i lo, hi;
+};
+
+inline vf zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline vf set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline vf load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void store(float* p, vf a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline vf load_f16(const uint16_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline vf load_bf16(const uint16_t* p) {
+  const __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
+}
+#define PDSERVE_BINOP(name, op) \
+  inline vf name(vf a, vf b) { return {op(a.lo, b.lo), op(a.hi, b.hi)}; }
+PDSERVE_BINOP(add, _mm256_add_ps)
+PDSERVE_BINOP(sub, _mm256_sub_ps)
+PDSERVE_BINOP(mul, _mm256_mul_ps)
+PDSERVE_BINOP(div, _mm256_div_ps)
+PDSERVE_BINOP(min, _mm256_min_ps)
+PDSERVE_BINOP(max, _mm256_max_ps)
+#undef PDSERVE_BINOP
+inline vf abs(vf a) {
+  const __m256 m = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  return {_mm256_and_ps(a.lo, m), _mm256_and_ps(a.hi, m)};
+}
+inline vf fmadd(vf a, vf b, vf c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline vf fnmadd(vf a, vf b, vf c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
+inline vf round(vf a) {
+  constexpr int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(a.lo, mode), _mm256_round_ps(a.hi, mode)};
+}
+inline float reduce_add(vf a) { return hsum8(_mm256_add_ps(a.lo, a.hi)); }
+inline float reduce_max(vf a) {
+  const __m256 m = _mm256_max_ps(a.lo, a.hi);
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+// a * 2^n for integral n in [-252, 254], in two exact steps of 2^(n/2) (each a normal float)
+inline __m256 scale2_8(__m256 a, __m256 n) {
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+  const __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(a, p1), p2);
+}
+inline vf scale2(vf a, vf n) { return {scale2_8(a.lo, n.lo), scale2_8(a.hi, n.hi)}; }
+
+inline vi cvt_i(vf a) { return {_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)}; }
+inline vf cvt_f(vi a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+inline vi clamp127(vi a) {
+  const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
+  return {_mm256_max_epi32(_mm256_min_epi32(a.lo, lim), nlim), _mm256_max_epi32(_mm256_min_epi32(a.hi, lim), nlim)};
+}
+inline vi zero_i() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline vi load_i(const int32_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8))};
+}
+inline vi add_i(vi a, vi b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+inline vi sub_i(vi a, vi b) { return {_mm256_sub_epi32(a.lo, b.lo), _mm256_sub_epi32(a.hi, b.hi)}; }
+inline vi shl8(vi a) { return {_mm256_slli_epi32(a.lo, 8), _mm256_slli_epi32(a.hi, 8)}; }
+inline int32_t reduce_add_i(vi a) { return hsum8i(_mm256_add_epi32(a.lo, a.hi)); }
+// 16 int32 lanes in [-128, 127] -> 16 bytes, in lane order
+inline void store_i8(int8_t* p, vi a) {
+  const __m256i w = _mm256_packs_epi32(a.lo, a.hi);  // per 128-bit half: lo0-3 hi0-3 | lo4-7 hi4-7
+  const __m128i b = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+  // b = lo0-3 hi0-3 lo4-7 hi4-7 (as dwords: 0 1 2 3) -> lo0-7 hi0-7
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_shuffle_epi32(b, 0xD8));
+}
+
+inline vb load_b(const void* p) {
+  const __m256i* q = static_cast<const __m256i*>(p);
+  return {_mm256_loadu_si256(q), _mm256_loadu_si256(q + 1)};
+}
+inline vb lo_nibbles(vb a) {
+  const __m256i m = _mm256_set1_epi8(0x0F);
+  return {_mm256_and_si256(a.lo, m), _mm256_and_si256(a.hi, m)};
+}
+inline vb hi_nibbles(vb a) {
+  const __m256i m = _mm256_set1_epi8(0x0F);
+  return {_mm256_and_si256(_mm256_srli_epi16(a.lo, 4), m), _mm256_and_si256(_mm256_srli_epi16(a.hi, 4), m)};
+}
+inline vi dot_u4(vi acc, vb u, vb s) { return {dpbusd8(acc.lo, u.lo, s.lo), dpbusd8(acc.hi, u.hi, s.hi)}; }
+// acc + sum of 4 products (u - 128) * s per int32 lane, exact: |u - 128| as u8 times s with the
+// sign of u - 128 (pair sums at most 2 * 128 * 127 < 2^15); no correction needed
+constexpr bool kQ8Biased = false;
+inline __m256i dot_q8_8(__m256i acc, __m256i u, __m256i s) {
+  const __m256i w = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80)));  // the signed code
+  return dpbusd8(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w));
+}
+inline vi dot_q8(vi acc, vb u, vb s) { return {dot_q8_8(acc.lo, u.lo, s.lo), dot_q8_8(acc.hi, u.hi, s.hi)}; }
+
+inline vf bcast4x4(const uint16_t* d) {
+  const __m256 abcd = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(d))));
+  return {_mm256_permutevar8x32_ps(abcd, _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0)),
+          _mm256_permutevar8x32_ps(abcd, _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2))};
+}
+inline vf bcast2x8(const uint16_t* d) {
+  const __m256 ab = bcast2x4(d);  // [a x 4, b x 4]
+  return {_mm256_permutevar8x32_ps(ab, _mm256_setzero_si256()), _mm256_permutevar8x32_ps(ab, _mm256_set1_epi32(4))};
+}
+
+#endif
+
+}  // namespace pdserve::simd
