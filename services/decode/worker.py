@@ -179,7 +179,7 @@ class DecodeWorker(WorkerRuntime):
             out = item.output
             index = out.output_index
             if not out.finished:
-                await self.publish_tokens(rid, index, out.new_token_ids)
+                await self.publish_tokens(rid, index, out.new_token_ids, logprobs=out.logprobs)
                 continue
             if out.finish_reason == FinishReason.ABORT:
                 return
@@ -188,5 +188,6 @@ class DecodeWorker(WorkerRuntime):
                                      stop_reason=out.stop_reason, prompt_tokens=prompt_tokens,
                                      completion_tokens=index + len(out.new_token_ids),
                                      cached_tokens=max(cached_tokens, out.num_cached_tokens), timing=timing,
-                                     draft_tokens=out.draft_tokens, accepted_tokens=out.accepted_tokens)
+                                     draft_tokens=out.draft_tokens, accepted_tokens=out.accepted_tokens,
+                                     logprobs=out.logprobs)
             return

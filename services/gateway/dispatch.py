@@ -149,7 +149,8 @@ class RequestChannel:
             if not new_ids and not event.finished:
                 continue  # a duplicate (e.g. redelivered after a worker restart)
             if event.index != self._seen or len(new_ids) != len(event.token_ids):
-                event = msgspec.structs.replace(event, index=self._seen, token_ids=new_ids)
+                event = msgspec.structs.replace(event, index=self._seen, token_ids=new_ids,
+                                                logprobs=event.logprobs[self._seen - event.index:])
             self._token_ids += new_ids
             self._finished = event.finished
             yield event

@@ -10,14 +10,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.gateway.admission import Ticket
 from services.gateway.dispatch import RequestChannel, StreamError
 from services.gateway.errors import APIError, from_error_code
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.output import OutputText
-from shared.protocol.messages import ErrorCode, TokenEvent, Usage
+from shared.protocol.messages import ErrorCode, TokenEvent, TokenLogprobs, Usage
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,8 @@ class Step:
     finish_reason: str | None = None  # "stop" | "length" on the last step
     stop_reason: str | int | None = None
     usage: Usage | None = None  # on the last step
+    # (token id, its log-probabilities) of the tokens since the previous step, where asked for
+    logprobs: list[tuple[int, TokenLogprobs]] = field(default_factory=list)
 
 
 class Generation:
@@ -42,6 +44,7 @@ class Generation:
         self._last_token_at: float | None = None
         self.status = "cancelled"  # requests_total label; set as the request ends
         self._cancel_reason = "the client stopped reading"
+        self._logprobs: list[tuple[int, TokenLogprobs]] = []  # not yet handed out with a step
 
     @property
     def request_id(self) -> str:
@@ -53,9 +56,9 @@ class Generation:
                 if event.token_ids:
                     self._observe_tokens(len(event.token_ids))
                 if not event.finished:
-                    text = self.output.add(event.token_ids)
+                    text = self._add(event)
                     if text:
-                        yield Step(text)
+                        yield Step(text, logprobs=self._take_logprobs())
                     continue
                 if event.error_code != ErrorCode.OK or event.finish_reason in ("abort", "error"):
                     raise self._worker_error(event)
@@ -69,8 +72,20 @@ class Generation:
             self._cancel_reason = exc.message
             raise from_error_code(exc.code, exc.message) from None
 
-    def _final_step(self, event: TokenEvent) -> Step:
+    def _add(self, event: TokenEvent) -> str:
+        """The event's tokens into the text (and their log-probabilities, for those the text took)."""
+        before = self.output.num_tokens
         text = self.output.add(event.token_ids)
+        taken = self.output.num_tokens - before
+        self._logprobs += zip(event.token_ids[:taken], event.logprobs[:taken])
+        return text
+
+    def _take_logprobs(self) -> list[tuple[int, TokenLogprobs]]:
+        taken, self._logprobs = self._logprobs, []
+        return taken
+
+    def _final_step(self, event: TokenEvent) -> Step:
+        text = self._add(event)
         text += self.output.finish(event.stop_reason)
         if self.output.stop_string is not None:
             finish_reason, stop_reason = "stop", self.output.stop_string
@@ -80,7 +95,11 @@ class Generation:
         usage = event.usage or Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.channel.num_tokens)
         if event.timing is not None and (kv_s := event.timing.kv_write_s + event.timing.kv_read_s) > 0:
             self._metrics.kv_transfer.observe(kv_s)  # colocated/direct requests move no KV: not observed
-        return Step(text, finish_reason=finish_reason, stop_reason=stop_reason, usage=usage)
+        return Step(text, finish_reason=finish_reason, stop_reason=stop_reason, usage=usage,
+                    logprobs=self._take_logprobs())
+
+    def usage_so_far(self) -> Usage:
+        return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.channel.num_tokens)
 
     def _worker_error(self, event: TokenEvent) -> APIError:
         code = event.error_code if event.error_code != ErrorCode.OK else ErrorCode.INTERNAL

@@ -35,6 +35,11 @@ class OutputText:
         return self._text
 
     @property
+    def num_tokens(self) -> int:
+        """Tokens taken into the text (none after a stop string matched)."""
+        return self._num_tokens
+
+    @property
     def stop_string(self) -> str | None:
         """The stop string that ended the text, once one matched."""
         return self._stop_string

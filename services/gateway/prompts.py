@@ -36,6 +36,8 @@ class PreparedRequest:
     params: SamplingMsg
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False
+    echo: str = ""  # completions' echo: the prompt's text
 
 
 def check_model(requested: str | None, model: ModelInfo) -> None:
@@ -126,6 +128,9 @@ def sampling_msg(req: GenerationRequest, max_tokens: int, vocab_size: int) -> Sa
     stop_ids = req.stop_token_ids or []
     if any(not 0 <= t < vocab_size for t in stop_ids):
         raise bad_request(f"'stop_token_ids' must be ids in [0, {vocab_size})", param="stop_token_ids")
+    bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
+    if any(not 0 <= t < vocab_size for t in bias):
+        raise bad_request(f"'logit_bias' keys must be token ids in [0, {vocab_size})", param="logit_bias")
     return SamplingMsg(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else float(req.temperature),  # OpenAI's default
@@ -137,6 +142,12 @@ def sampling_msg(req: GenerationRequest, max_tokens: int, vocab_size: int) -> Sa
         ignore_eos=bool(req.ignore_eos),
         min_tokens=min_tokens,
         skip_special_tokens=req.skip_special_tokens is not False,
+        presence_penalty=float(req.presence_penalty or 0.0),
+        frequency_penalty=float(req.frequency_penalty or 0.0),
+        repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+        logit_bias=bias,
+        min_p=float(req.min_p or 0.0),
+        logprobs=req.num_logprobs,
     )
 
 
@@ -156,4 +167,10 @@ async def prepare(req: CompletionRequest | ChatCompletionRequest, model: ModelIn
         requested = req.max_tokens
     max_tokens = resolve_max_tokens(len(prompt_ids), requested, model.max_model_len, default_max_tokens)
     params = sampling_msg(req, max_tokens, tokenizer.vocab_size)
-    return PreparedRequest(prompt_ids, params, stream=bool(req.stream), include_usage=req.include_usage)
+    echo = ""
+    if isinstance(req, CompletionRequest) and req.echo:
+        prompt = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) \
+            else req.prompt
+        echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
+    return PreparedRequest(prompt_ids, params, stream=bool(req.stream), include_usage=req.include_usage,
+                           continuous_usage=req.continuous_usage, echo=echo)

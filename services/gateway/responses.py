@@ -4,6 +4,8 @@
                             then delta {"content": ...}, then delta {} with finish_reason
     completions, streaming: text_completion        choices[0].text deltas, then finish_reason
     include_usage:          one more chunk with "choices": [] and "usage"
+    continuous_usage_stats: "usage" (the tokens so far) in every chunk too (vLLM's extension)
+    logprobs:               each choice's "logprobs" holds those of the tokens its text came from
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.gateway.logprobs import LogprobFormat
 from shared.protocol.messages import Usage
 
 
@@ -22,6 +25,9 @@ class ResponseMeta:
     request_id: str
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
+    logprobs: LogprobFormat | None = None  # where the request asked for them
+    echo: str = ""  # completions' echo: the prompt's text, before the first text
+    continuous_usage: bool = False
 
     @property
     def id(self) -> str:
@@ -53,16 +59,20 @@ def role_chunk(meta: ResponseMeta) -> dict[str, Any]:
 
 
 def text_chunk(meta: ResponseMeta, text: str, finish_reason: str | None = None,
-               stop_reason: str | int | None = None) -> dict[str, Any]:
+               stop_reason: str | int | None = None, logprobs: dict[str, Any] | None = None,
+               usage: Usage | None = None) -> dict[str, Any]:
     choice: dict[str, Any]
     if meta.kind == "chat":
-        choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
+        choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": logprobs,
                   "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason  # vLLM's extension: the stop string / token id that matched
-    return meta.envelope(meta.chunk_object, [choice])
+    chunk = meta.envelope(meta.chunk_object, [choice])
+    if usage is not None:
+        chunk["usage"] = usage_dict(usage)
+    return chunk
 
 
 def usage_chunk(meta: ResponseMeta, usage: Usage) -> dict[str, Any]:
@@ -72,13 +82,13 @@ def usage_chunk(meta: ResponseMeta, usage: Usage) -> dict[str, Any]:
 
 
 def full_response(meta: ResponseMeta, text: str, finish_reason: str, stop_reason: str | int | None,
-                  usage: Usage) -> dict[str, Any]:
+                  usage: Usage, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if meta.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish_reason, "stop_reason": stop_reason}
         body = meta.envelope("chat.completion", [choice])
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+        choice = {"index": 0, "text": meta.echo + text, "logprobs": logprobs, "finish_reason": finish_reason,
                   "stop_reason": stop_reason}
         body = meta.envelope("text_completion", [choice])
     body["usage"] = usage_dict(usage)

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from services.gateway import schemas
 from services.gateway.errors import APIError, bad_request
 from services.gateway.generation import Generation
+from services.gateway.logprobs import LogprobFormat
 from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.output import OutputText
 from services.gateway.prompts import check_model, prepare
@@ -157,7 +158,8 @@ async def _generate(request: Request, schema: type[schemas.GenerationRequest], k
                         skip_special_tokens=params.skip_special_tokens)
     generation = Generation(channel, output, num_prompt_tokens=len(prepared.prompt_ids), metrics=state.metrics,
                             ticket=ticket, arrived=arrived)
-    meta = ResponseMeta(kind, request_id, state.model.name)
+    meta = ResponseMeta(kind, request_id, state.model.name, echo=prepared.echo, continuous_usage=prepared.continuous_usage,
+                        logprobs=LogprobFormat(state.model.tokenizer, kind) if params.logprobs is not None else None)
     log.debug("request %s: %d prompt tokens, max_tokens %d, stream=%s", request_id, len(prepared.prompt_ids),
               params.max_tokens, prepared.stream)
     if prepared.stream:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFun
 from services.gateway.errors import APIError, bad_request, unsupported, validation_error
 
 MAX_STOP_STRINGS = 4
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat limit; vLLM's default max_logprobs)
 _SEED_RANGE = (-(2**63), 2**64 - 1)  # what msgpack and torch.Generator.manual_seed both take
 
 
@@ -24,7 +25,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
-    continuous_usage_stats: bool | None = None  # vLLM extension; accepted, not implemented
+    continuous_usage_stats: bool | None = False  # vLLM extension: usage (so far) in every chunk
 
 
 class GenerationRequest(_Strict):
@@ -45,11 +46,21 @@ class GenerationRequest(_Strict):
     ignore_eos: bool | None = False  # vLLM extension
     min_tokens: int | None = Field(0, ge=0)  # vLLM extension
     skip_special_tokens: bool | None = True  # vLLM extension
-    # accepted only at their neutral values
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)  # vLLM extension
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
+    min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM extension
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.strip().lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
+        return value
 
     @field_validator("stop", mode="wrap")
     @classmethod
@@ -70,16 +81,18 @@ class GenerationRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many top alternatives each output token's log-probabilities carry (None: none asked)."""
+        return None
+
     def unsupported_param(self) -> APIError | None:
         if self.n is not None and self.n != 1:
             return unsupported("n", f"= {self.n} is not supported: one choice per request (n=1)")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                return unsupported(name, "other than 0 is not supported by this server")
-        if self.repetition_penalty not in (None, 1, 1.0):
-            return unsupported("repetition_penalty", "other than 1 is not supported by this server")
-        if self.logit_bias:
-            return unsupported("logit_bias")
         if self.stream_options is not None and not self.stream:
             return bad_request("stream_options is only allowed when stream is true", param="stream_options")
         return None
@@ -88,7 +101,7 @@ class GenerationRequest(_Strict):
 class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool | None = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -97,11 +110,13 @@ class CompletionRequest(GenerationRequest):
     def _check_prompt(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         return _one_of(value, handler, "a string, a list of token ids, or a list holding one of those")
 
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
     def unsupported_param(self) -> APIError | None:
-        if self.echo:
-            return unsupported("echo")
-        if self.logprobs is not None:
-            return unsupported("logprobs")
+        if self.echo and self.logprobs is not None:
+            return unsupported("echo", "together with logprobs (the prompt's log-probabilities) is not supported yet")
         if self.suffix:
             return unsupported("suffix")
         if self.best_of not in (None, 1):
@@ -113,17 +128,19 @@ class ChatCompletionRequest(GenerationRequest):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def unsupported_param(self) -> APIError | None:
-        if self.logprobs:
-            return unsupported("logprobs")
-        if self.top_logprobs is not None:
-            return unsupported("top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            return bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         if self.tools or self.functions:
             return unsupported("tools" if self.tools else "functions")
         if self.tool_choice not in (None, "none", "auto"):

@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from services.gateway.errors import APIError
+from services.gateway import logprobs as lp
 from services.gateway.generation import Generation, Step
 from services.gateway.responses import (SSE_DONE, ResponseMeta, full_response, role_chunk, sse, text_chunk,
                                         usage_chunk)
@@ -49,10 +50,13 @@ async def sse_body(generation: Generation, meta: ResponseMeta, include_usage: bo
     try:
         if meta.kind == "chat":
             yield sse(role_chunk(meta))
+        elif meta.echo:
+            yield sse(text_chunk(meta, meta.echo))
         try:
             async with aclosing(generation.steps()) as steps:
                 async for step in steps:
-                    for chunk in _step_chunks(meta, step, include_usage):
+                    so_far = generation.usage_so_far() if meta.continuous_usage else None
+                    for chunk in _step_chunks(meta, step, include_usage, so_far):
                         yield sse(chunk)
         except APIError as exc:
             yield sse(exc.body())
@@ -62,12 +66,15 @@ async def sse_body(generation: Generation, meta: ResponseMeta, include_usage: bo
         await generation.close()
 
 
-def _step_chunks(meta: ResponseMeta, step: Step, include_usage: bool) -> list[dict]:
+def _step_chunks(meta: ResponseMeta, step: Step, include_usage: bool, so_far) -> list[dict]:
     chunks = []
+    logprobs = meta.logprobs.format(step.logprobs) if meta.logprobs is not None else None
     if step.text:
-        chunks.append(text_chunk(meta, step.text))
-    if step.finish_reason is not None:
-        chunks.append(text_chunk(meta, "", step.finish_reason, step.stop_reason))
+        chunks.append(text_chunk(meta, step.text, logprobs=logprobs, usage=so_far))
+        logprobs = None
+    if step.finish_reason is not None:  # with the log-probabilities of tokens that made no text (EOS)
+        chunks.append(text_chunk(meta, "", step.finish_reason, step.stop_reason, logprobs=logprobs,
+                                 usage=step.usage if meta.continuous_usage else None))
         if include_usage and step.usage is not None:
             chunks.append(usage_chunk(meta, step.usage))
     return chunks
@@ -112,15 +119,19 @@ async def collect(generation: Generation, meta: ResponseMeta, receive: Receive) 
     watcher = watch_disconnect(receive, lambda: generation.channel.abort(CLIENT_GONE))
     try:
         texts: list[str] = []
+        logprobs: list[dict | None] = []
         final: Step | None = None
         async with aclosing(generation.steps()) as steps:
             async for step in steps:
                 texts.append(step.text)
+                if meta.logprobs is not None:
+                    logprobs.append(meta.logprobs.format(step.logprobs))
                 if step.finish_reason is not None:
                     final = step
         if final is None or final.usage is None:  # the client left: nobody reads this
             return Response(status_code=499)
-        return JSONResponse(full_response(meta, "".join(texts), final.finish_reason, final.stop_reason, final.usage))
+        return JSONResponse(full_response(meta, "".join(texts), final.finish_reason, final.stop_reason, final.usage,
+                                          lp.join(logprobs)))
     finally:
         watcher.cancel()
         await generation.close()

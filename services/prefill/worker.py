@@ -127,9 +127,10 @@ class PrefillWorker(WorkerRuntime):
             await self._release(lease)
             await self.publish_final(rid, index, out.new_token_ids, finish_reason=str(out.finish_reason),
                                      stop_reason=out.stop_reason, prompt_tokens=len(job.prompt_ids),
-                                     completion_tokens=index + 1, cached_tokens=len(hits) * bs, timing=timing)
+                                     completion_tokens=index + 1, cached_tokens=len(hits) * bs, timing=timing,
+                                     logprobs=out.logprobs)
             return
-        await self.publish_tokens(rid, index, out.new_token_ids)  # token 1: this is TTFT
+        await self.publish_tokens(rid, index, out.new_token_ids, logprobs=out.logprobs)  # token 1: this is TTFT
         refs, lease, segment = await self._store_blocks(rid, item.kv_blocks, hits, keys, lease, segment, timing)
         decode_job = DecodeJob(
             request_id=rid, token_ids=tokens, first_token=out.new_token_ids[0], params=job.params,

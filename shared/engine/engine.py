@@ -28,7 +28,7 @@ from shared.kvcache.kv_cache_manager import KVCacheManager
 from shared.model.detokenizer import IncrementalDetokenizer
 from shared.model.hub import resolve_model_path
 from shared.model.llama import LlamaModel, load_model
-from shared.model.sampling import SamplingParams, sample
+from shared.model.sampling import History, SamplingParams, TokenLogprobs, sample
 from shared.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,7 @@ class RequestOutput:
     output_index: int = 0  # position of new_token_ids[0] in the request's whole output (resumed included)
     draft_tokens: int = 0  # speculative proposals verified for this request so far
     accepted_tokens: int = 0  # of them, kept
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, where the request asked for them
 
 
 class LLMEngine:
@@ -235,7 +236,7 @@ class LLMEngine:
         logits = self.runner.execute(chunks)
         sampled = [(s.seq, p) for s, p in zip(sched.scheduled, proposals) if s.completes_prompt]
         t1 = time.perf_counter()
-        tokens = self._sample(logits, [(seq, len(p.tokens) if p else 0) for seq, p in sampled])
+        tokens, logprobs = self._sample(logits, [(seq, p.tokens if p else []) for seq, p in sampled])
         if self.spec is not None:
             random_rows = sum(1 + (len(p.tokens) if p else 0) for seq, p in sampled if not seq.params.greedy)
             if random_rows:
@@ -248,7 +249,7 @@ class LLMEngine:
                 self.kv.cache_full_blocks(s.seq)
         for seq, p in sampled:
             k = len(p.tokens) if p else 0
-            outputs.append(self._accept(seq, p, tokens[row:row + k + 1]))
+            outputs.append(self._accept(seq, p, tokens[row:row + k + 1], logprobs[row:row + k + 1]))
             row += k + 1
         if self.spec is not None:
             self.spec.cost.observe(rows, time.perf_counter() - t0)
@@ -286,25 +287,33 @@ class LLMEngine:
             ids = seq.all_token_ids[start:start + n]
         return ScheduledChunk(ids, start, seq.block_table, int(need_logits))
 
-    def _sample(self, logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> list[int]:
-        """Sample every logits row: sequence s has 1 + k rows (k proposals verified), row j for its
-        output token len(output) + j, each sampled exactly as a plain step would sample it."""
+    def _sample(self, logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]]
+                ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Sample every logits row: sequence s has 1 + k rows (its k proposals verified), row j for
+        its output token len(output) + j, each sampled exactly as a plain step would sample it (a
+        penalty sees the proposals before the row as output: they are, if the row is kept)."""
         params: list[SamplingParams] = []
         positions: list[int] = []
+        histories: list[History | None] = []
         r = 0
-        for seq, k in rows:
+        for seq, proposed in rows:
             p = seq.params
-            for j in range(k + 1):
+            if p.penalized:  # a migrated request's resumed tokens are output, not prompt
+                cut = len(seq.prompt_ids) - seq.num_resumed
+                prompt, output = seq.prompt_ids[:cut], seq.prompt_ids[cut:] + seq.output_ids
+            for j in range(len(proposed) + 1):
                 if len(seq.output_ids) + j < p.min_tokens:  # the model may not end the sequence yet
                     banned = list(set(p.stop_token_ids) | (set() if p.ignore_eos else self.stop_checker.eos_token_ids))
                     if banned:
                         logits[r, banned] = float("-inf")
                 params.append(p)
                 positions.append(seq.num_resumed + len(seq.output_ids) + j)
+                histories.append(History(prompt, output + proposed[:j]) if p.penalized else None)
                 r += 1
-        return sample(logits, params, positions)
+        return sample(logits, params, positions, histories)
 
-    def _accept(self, seq: Sequence, proposal: Proposal | None, sampled: list[int]) -> RequestOutput:
+    def _accept(self, seq: Sequence, proposal: Proposal | None, sampled: list[int],
+                logprobs: list[TokenLogprobs | None]) -> RequestOutput:
         """Append the sampled tokens up to the first that differs from its proposal (a plain step: the
         one token), mark their KV computed, give back the rows of rejected proposals."""
         k = len(proposal.tokens) if proposal is not None else 0
@@ -327,7 +336,7 @@ class LLMEngine:
         self.kv.cache_full_blocks(seq)
         if reason is not None:
             self._finish(seq, reason)
-        return self.make_output(seq, new)
+        return self.make_output(seq, new, logprobs[:len(new)] if seq.params.logprobs is not None else None)
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         reason = self._push_token(seq, token)
@@ -356,7 +365,8 @@ class LLMEngine:
             return
         self.scheduler.finish(seq, reason, keep_blocks=reason == FinishReason.PREFILLED)
 
-    def make_output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+    def make_output(self, seq: Sequence, new_tokens: list[int], logprobs: list[TokenLogprobs] | None = None
+                    ) -> RequestOutput:
         rid = seq.request_id
         if seq.is_finished and rid in self._detok and not isinstance(seq.stop_reason, str):
             seq.text += self._detok[rid].flush()
@@ -369,7 +379,7 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens, num_output_tokens=len(seq.output_ids),
             stop_reason=seq.stop_reason,
             output_index=seq.num_resumed + len(seq.output_ids) - len(new_tokens),
-            draft_tokens=seq.spec.draft_tokens, accepted_tokens=seq.spec.accepted_tokens,
+            draft_tokens=seq.spec.draft_tokens, accepted_tokens=seq.spec.accepted_tokens, logprobs=logprobs,
         )
         if seq.is_finished and seq.finish_reason != FinishReason.PREFILLED:
             self.seqs.pop(rid, None)
@@ -402,6 +412,7 @@ class LLMEngine:
         ids = [f"gen-{id(prompts)}-{i}" for i in range(len(prompts))]
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
         texts: dict[str, list[str]] = {rid: [] for rid in ids}
+        logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in ids}
         final: dict[str, RequestOutput] = {}
         for rid, prompt, p in zip(ids, prompts, params_list):
             self.add_request(rid, prompt, p)
@@ -409,11 +420,13 @@ class LLMEngine:
             for out in self.step():
                 tokens[out.request_id].extend(out.new_token_ids)
                 texts[out.request_id].append(out.text)
+                logprobs[out.request_id].extend(out.logprobs or [])
                 if out.finished:
                     final[out.request_id] = out
         results = []
-        for rid in ids:
+        for rid, p in zip(ids, params_list):
             out = final[rid]
             out.new_token_ids, out.text = tokens[rid], "".join(texts[rid])
+            out.logprobs = logprobs[rid] if p.logprobs is not None else None
             results.append(out)
         return results

@@ -1,6 +1,11 @@
 """Sampling parameters and the batched sampler.
 
-Greedy when temperature is 0; otherwise temperature → top-k → top-p → a draw. A seeded request
+Each row's logits are first processed as vLLM does: `logit_bias` is added, then the repetition
+penalty (prompt and output tokens: a positive logit divided by it, a negative one multiplied), then
+the frequency penalty (minus penalty × count in the output) and the presence penalty (minus penalty
+for each token in the output). Log-probabilities are those of the processed logits divided by the
+temperature (1 when greedy), before top-k, top-p and min-p. Then: greedy (argmax) when temperature
+is 0; otherwise temperature → top-k → top-p → min-p → a draw. A seeded request
 draws output token i from a generator seeded with (seed, i), so its tokens are reproducible whatever
 it is batched with, and wherever token i is sampled: a prefill worker samples token 0 and a decode
 worker the rest, or a migrated request resumes on another worker, and the stream is the same.
@@ -25,6 +30,12 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0  # EOS / stop ids are not honoured before this many tokens
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    repetition_penalty: float = 1.0  # > 0; 1: off
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> [-100, 100] added to its logit
+    min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one
+    logprobs: int | None = None  # None: none; n >= 0: the sampled token's and the n most likely
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -41,10 +52,47 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits depend on the tokens so far (penalties) or are biased."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias))
+
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class History:
+    """What a row's penalties look at: the prompt and the output tokens before the row's token."""
+
+    prompt: list[int]
+    output: list[int]
+
+
+@dataclass
+class TokenLogprobs:
+    """The sampled token's log-probability and the `n` most likely tokens' (most likely first)."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
 
 
 def position_generator(seed: int, position: int) -> torch.Generator:
@@ -54,8 +102,16 @@ def position_generator(seed: int, position: int) -> torch.Generator:
     return g
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
-    """logits: [B, V] fp32, one row per sequence; positions: each row's output index → token ids."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
+           histories: list[History | None] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: [B, V] fp32, one row per sequence (processed in place); positions: each row's output
+    index; histories: each row's tokens so far (needed where its params are penalized)
+    → (token ids, log-probabilities where asked for)."""
+    penalized = [i for i, p in enumerate(params) if p.penalized]
+    if penalized:
+        if histories is None or any(histories[i] is None for i in penalized):
+            raise ValueError("penalized rows need their histories")
+        apply_penalties(logits, [params[i] for i in penalized], [histories[i] for i in penalized], penalized)
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     if greedy_rows:
@@ -66,7 +122,53 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
         probs = _probs(logits[i], p)
         g = None if p.seed is None else position_generator(p.seed, positions[i])
         out[i] = torch.multinomial(probs, 1, generator=g).item()
-    return out.tolist()
+    tokens = out.tolist()
+    return tokens, token_logprobs(logits, params, tokens)
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], histories: list[History],
+                    rows: list[int]) -> None:
+    """Bias and penalties of `rows` of logits, in place, all rows at once (see the module doc)."""
+    V = logits.shape[-1]
+    n = len(rows)
+    sub = logits[rows]
+    counts = torch.zeros(n, V, dtype=torch.float32)
+    seen = torch.zeros(n, V, dtype=torch.bool)
+    for j, h in enumerate(histories):
+        if h.output:
+            counts[j].scatter_add_(0, torch.tensor(h.output, dtype=torch.int64), torch.ones(len(h.output)))
+        if h.prompt:
+            seen[j, torch.tensor(h.prompt, dtype=torch.int64)] = True
+    seen |= counts > 0
+    col = lambda values: torch.tensor(values, dtype=torch.float32).unsqueeze(1)  # noqa: E731
+    bias_rows = [j for j, p in enumerate(params) if p.logit_bias]
+    for j in bias_rows:
+        ids = torch.tensor(list(params[j].logit_bias), dtype=torch.int64)
+        sub[j].index_add_(0, ids, torch.tensor(list(params[j].logit_bias.values()), dtype=torch.float32))
+    rep = col([p.repetition_penalty for p in params])
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub -= col([p.frequency_penalty for p in params]) * counts
+    sub -= col([p.presence_penalty for p in params]) * (counts > 0)
+    logits[rows] = sub
+
+
+def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list[TokenLogprobs | None]:
+    """Log-probabilities of the processed logits over the temperature (1 when greedy), where asked."""
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return out
+    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in (params[i] for i in rows)]).unsqueeze(1)
+    lp = torch.log_softmax(logits[rows] / temps, dim=-1)
+    k = max(params[i].logprobs for i in rows)
+    top = lp.topk(k, dim=-1) if k else None
+    chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows]).unsqueeze(1)).squeeze(1).tolist()
+    for j, i in enumerate(rows):
+        n = params[i].logprobs
+        ids = top.indices[j, :n].tolist() if n else []
+        vals = top.values[j, :n].tolist() if n else []
+        out[i] = TokenLogprobs(chosen[j], ids, vals)
+    return out
 
 
 def _probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -81,4 +183,7 @@ def _probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         # drop a token when the mass before it already reaches top_p (the first token always stays)
         drop = (cum - sorted_logits.softmax(-1)) >= p.top_p
         row = row.scatter(0, order[drop], float("-inf"))
-    return row.softmax(-1)
+    probs = row.softmax(-1)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs

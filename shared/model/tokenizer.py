@@ -141,6 +141,7 @@ class Tokenizer:
         stops.update(i for i in extra_stop_ids if 0 <= i < self._vocab_size)
         stops.update(i for t in END_OF_TURN_TOKENS if (i := backend.token_to_id(t)) in self.all_special_ids)
         self.stop_token_ids: frozenset[int] = frozenset(stops)
+        self._token_bytes: dict[int, bytes] = {}
 
     # -- construction -------------------------------------------------------------------------
 
@@ -259,8 +260,39 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: a byte-level BPE piece mapped back to its bytes (which
+        may be part of a character), an added token's own text."""
+        cached = self._token_bytes.get(token_id)
+        if cached is not None:
+            return cached
+        piece = self._backend.id_to_token(token_id) or ""
+        added = self._backend.get_added_tokens_decoder().get(token_id)
+        if added is None and all(c in _UNICODE_TO_BYTE for c in piece):
+            out = bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        else:
+            out = piece.encode()
+        self._token_bytes[token_id] = out
+        return out
+
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self._vocab_size}, bos={self.bos_token_id}, eos={self.eos_token_id})"
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character standing for each byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_UNICODE_TO_BYTE = _byte_alphabet()
 
 
 def _bos_eos_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> processors.TemplateProcessing:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import msgspec
 
+from shared.model import sampling
 from shared.model.sampling import SamplingParams
-from shared.protocol.messages import SamplingMsg
+from shared.protocol.messages import SamplingMsg, TokenLogprobs
 
 
 def to_params(msg: SamplingMsg, *, num_resumed: int = 0) -> SamplingParams:
@@ -18,7 +19,10 @@ def to_params(msg: SamplingMsg, *, num_resumed: int = 0) -> SamplingParams:
 
 
 def to_msg(params: SamplingParams) -> SamplingMsg:
-    return SamplingMsg(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                       top_k=params.top_k, seed=params.seed, stop=list(params.stop),
-                       stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-                       min_tokens=params.min_tokens, skip_special_tokens=params.skip_special_tokens)
+    fields = {f: getattr(params, f) for f in SamplingMsg.__struct_fields__}
+    return SamplingMsg(**fields | {"stop": list(params.stop), "stop_token_ids": list(params.stop_token_ids),
+                                   "logit_bias": dict(params.logit_bias)})
+
+
+def logprobs_msg(logprobs: list[sampling.TokenLogprobs] | None) -> list[TokenLogprobs]:
+    return [TokenLogprobs(lp.logprob, lp.top_ids, lp.top_logprobs) for lp in logprobs or []]

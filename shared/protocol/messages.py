@@ -45,6 +45,20 @@ class SamplingMsg(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
+    min_p: float = 0.0
+    logprobs: int | None = None  # per output token: its log-probability and the top `logprobs`
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """One output token's log-probability and the most likely tokens' (most likely first)."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
 
 
 class Timing(msgspec.Struct, kw_only=True):
@@ -107,6 +121,7 @@ class TokenEvent(Msg, kw_only=True):
     request_id: str
     index: int
     token_ids: list[int] = []
+    logprobs: list[TokenLogprobs] = []  # one per token id, where the request asked for them
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None

@@ -15,7 +15,7 @@ from shared.engine.async_engine import AsyncEngine
 from shared.engine.cores import CoreShare
 from shared.engine.engine import LLMEngine
 from shared.protocol import subjects
-from shared.protocol.convert import to_params
+from shared.protocol.convert import logprobs_msg, to_params
 from shared.protocol.messages import Cancel, ErrorCode, Timing, TokenEvent, Usage, WorkerStats, decode, encode
 from shared.transport import nats_bus, valkey
 from shared.transport.heartbeat import heartbeat
@@ -146,9 +146,11 @@ class WorkerRuntime:
                            free_slots=max(0, self.engine.config.max_num_seqs - self.async_engine.num_requests),
                            **spec)
 
-    async def publish_tokens(self, request_id: str, index: int, token_ids: list[int], **fields) -> None:
-        event = TokenEvent(request_id=request_id, index=index, token_ids=token_ids, worker=self.config.instance,
-                           attempt=self.attempts.get(request_id, 0), **fields)
+    async def publish_tokens(self, request_id: str, index: int, token_ids: list[int], *, logprobs=None,
+                             **fields) -> None:
+        """`logprobs`: the engine's, one per token id (None: not asked for)."""
+        event = TokenEvent(request_id=request_id, index=index, token_ids=token_ids, logprobs=logprobs_msg(logprobs),
+                           worker=self.config.instance, attempt=self.attempts.get(request_id, 0), **fields)
         await self.nc.publish(subjects.tokens(request_id), encode(event))
 
     async def publish_error(self, request_id: str, index: int, code: ErrorCode, message: str) -> None:
@@ -158,9 +160,11 @@ class WorkerRuntime:
 
     async def publish_final(self, request_id: str, index: int, token_ids: list[int], *, finish_reason: str,
                             stop_reason, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-                            timing: Timing | None, draft_tokens: int = 0, accepted_tokens: int = 0) -> None:
+                            timing: Timing | None, draft_tokens: int = 0, accepted_tokens: int = 0,
+                            logprobs=None) -> None:
         await self.publish_tokens(
-            request_id, index, token_ids, finished=True, finish_reason=finish_reason, stop_reason=stop_reason,
+            request_id, index, token_ids, logprobs=logprobs, finished=True, finish_reason=finish_reason,
+            stop_reason=stop_reason,
             usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached_tokens,
                         draft_tokens=draft_tokens, accepted_tokens=accepted_tokens),
             timing=timing)

@@ -88,13 +88,17 @@ def metric_values(url: str, name: str) -> dict[str, float]:
     return out
 
 
-def offline_greedy(content: str, max_tokens: int) -> str:
-    """The offline engine's greedy text, without speculative decoding (the stack runs with it)."""
+def offline(content: str, **params):
+    """The offline engine's output for a chat turn, without speculative decoding (the stack runs with it)."""
     engine = LLMEngine.from_config(EngineConfig(num_kv_blocks=128, speculative=SpecConfig(mode="off")))
     tok = engine.tokenizer
     ids = tok.encode(render_chat(tok.chat_template, [{"role": "user", "content": content}]), add_special_tokens=False)
-    [out] = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    return out.text
+    [out] = engine.generate([ids], SamplingParams(**{"temperature": 0.0} | params))
+    return out
+
+
+def offline_greedy(content: str, max_tokens: int) -> str:
+    return offline(content, max_tokens=max_tokens).text
 
 
 def test_streaming_chat_answers_with_the_real_model(disagg):
@@ -155,6 +159,51 @@ def test_openai_client_unmodified(disagg):
     comp = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert comp.choices[0].text.strip()
     assert [m.id for m in client.models.list().data]
+
+
+def test_logprobs_and_penalties_across_the_split(disagg):
+    """Log-probabilities (the prefill worker's for token 0, the decode worker's for the rest, under
+    speculation) equal the offline engine's; streamed they are the same as in one body; the official
+    client reads them; a penalty gives the offline engine's penalized answer."""
+    want = offline(QUESTION, max_tokens=24, logprobs=5)
+    body = chat(disagg, QUESTION, max_tokens=24, logprobs=True, top_logprobs=5)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert body["choices"][0]["message"]["content"] == want.text
+    assert len(content) == body["usage"]["completion_tokens"] == len(want.logprobs)
+    # every output token has its entry, the end-of-turn token too (its text is not in the content)
+    assert content[-1]["token"] == "<|im_end|>" and body["choices"][0]["finish_reason"] == "stop"
+    assert b"".join(bytes(c["bytes"]) for c in content[:-1]).decode() == want.text
+    for c, lp in zip(content, want.logprobs):
+        assert c["logprob"] == pytest.approx(lp.logprob, abs=1e-4)
+        assert [t["logprob"] for t in c["top_logprobs"]] == pytest.approx(lp.top_logprobs, abs=1e-4)
+        assert c["top_logprobs"][0]["token"] == c["token"]  # greedy: the most likely
+    _, chunks = stream_chat(disagg, QUESTION, max_tokens=24, logprobs=True, top_logprobs=5)
+    streamed = [c for ch in chunks for choice in ch["choices"] for c in (choice.get("logprobs") or {}).get("content", [])]
+    assert streamed == content
+
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{disagg}/v1", api_key="unused")
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                          max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    assert [t.token for t in resp.choices[0].logprobs.content] == [c["token"] for c in content[:8]]
+    assert all(len(t.top_logprobs) == 3 for t in resp.choices[0].logprobs.content)
+
+    prompt = "The capital of France is"
+    completion = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    choice = httpx.post(f"{disagg}/v1/completions", json=completion | {"logprobs": 2}, timeout=60).json()["choices"][0]
+    echoed = httpx.post(f"{disagg}/v1/completions", json=completion | {"echo": True}, timeout=60).json()["choices"][0]
+    assert echoed["text"] == prompt + choice["text"]
+    lps = choice["logprobs"]
+    assert "".join(lps["tokens"]) == choice["text"]
+    assert lps["text_offset"] == sorted(lps["text_offset"]) and lps["text_offset"][0] == 0
+    assert all(len(top) <= 2 for top in lps["top_logprobs"]) and all(v <= 0 for v in lps["token_logprobs"])
+
+    story = "Write a short story about a cat."
+    plain = offline(story, max_tokens=40)
+    penalized = offline(story, max_tokens=40, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.2)
+    assert penalized.text != plain.text
+    got = chat(disagg, story, max_tokens=40, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.2)
+    assert got["choices"][0]["message"]["content"] == penalized.text
 
 
 def test_prefix_reuse_reports_cached_tokens(disagg):

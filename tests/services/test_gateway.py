@@ -385,6 +385,15 @@ async def test_chat_streaming_shape_with_usage(client, peer):
     assert usage_chunk["usage"]["prompt_tokens_details"] == {"cached_tokens": CACHED_TOKENS}
 
 
+async def test_continuous_usage_stats_puts_the_tokens_so_far_in_every_chunk(client, peer):
+    events = await stream_events(client, "/v1/chat/completions",
+                                 {**CHAT, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    chunks = events[:-1]
+    counts = [c["usage"]["completion_tokens"] for c in chunks[1:-1]]  # the role chunk comes before any token
+    assert counts == sorted(counts) and counts[-1] == len(peer.answer_ids) and len(counts) >= 2
+    assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for c in chunks[1:])
+
+
 async def test_completions_both_ways(client, peer, tokenizer):
     resp = await client.post("/v1/completions", json=COMPLETION)
     assert resp.status_code == 200, resp.text
@@ -780,8 +789,20 @@ BAD_REQUESTS = [
     ("empty stop string", "/v1/chat/completions", {**CHAT, "stop": ""}, {}, 400, "stop"),
     ("min_tokens over max_tokens", "/v1/completions", {**COMPLETION, "max_tokens": 2, "min_tokens": 5}, {}, 400,
      "min_tokens"),
-    ("logprobs", "/v1/chat/completions", {**CHAT, "logprobs": True}, {}, 400, "logprobs"),
-    ("echo", "/v1/completions", {**COMPLETION, "echo": True}, {}, 400, "echo"),
+    ("top_logprobs without logprobs", "/v1/chat/completions", {**CHAT, "top_logprobs": 3}, {}, 400, "logprobs"),
+    ("top_logprobs 21", "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, {}, 400,
+     "top_logprobs"),
+    ("completions logprobs 21", "/v1/completions", {**COMPLETION, "logprobs": 21}, {}, 400, "logprobs"),
+    ("echo with logprobs", "/v1/completions", {**COMPLETION, "echo": True, "logprobs": 1}, {}, 400, "echo"),
+    ("presence_penalty 3", "/v1/chat/completions", {**CHAT, "presence_penalty": 3}, {}, 400, "presence_penalty"),
+    ("frequency_penalty -2.5", "/v1/completions", {**COMPLETION, "frequency_penalty": -2.5}, {}, 400,
+     "frequency_penalty"),
+    ("repetition_penalty 0", "/v1/completions", {**COMPLETION, "repetition_penalty": 0}, {}, 400, "repetition_penalty"),
+    ("min_p 2", "/v1/completions", {**COMPLETION, "min_p": 2}, {}, 400, "min_p"),
+    ("logit_bias key not an id", "/v1/chat/completions", {**CHAT, "logit_bias": {"hello": 1}}, {}, 400, "logit_bias"),
+    ("logit_bias value 150", "/v1/chat/completions", {**CHAT, "logit_bias": {"5": 150}}, {}, 400, "logit_bias"),
+    ("logit_bias id outside vocab", "/v1/chat/completions", {**CHAT, "logit_bias": {str(10**9): 1}}, {}, 400,
+     "logit_bias"),
     ("tools", "/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, {}, 400, "tools"),
     ("unknown model", "/v1/chat/completions", {**CHAT, "model": "gpt-4"}, {}, 404, "gpt-4"),
     ("not json content type", "/v1/completions", b"prompt=hello", {"content-type": "text/plain"}, 415,

@@ -1,0 +1,149 @@
+"""The sampler's logit processing (bias, repetition / frequency / presence penalties, min-p) against
+a reference written from the definitions, its log-probabilities, and the engine using them with
+speculation on and off."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shared.config import EngineConfig, SpecConfig
+from shared.engine.engine import LLMEngine
+from shared.model.sampling import History, SamplingParams, sample
+from tests.engine.test_engine import assert_all_blocks_released, run_checked
+from tests.model_utils import tiny_model
+
+V = 50
+
+
+def reference(row: list[float], p: SamplingParams, h: History) -> list[float]:
+    """The processing written out one token at a time."""
+    out = list(row)
+    for t, b in p.logit_bias.items():
+        out[t] += b
+    counts = {t: h.output.count(t) for t in set(h.output)}
+    for t in range(len(out)):
+        if t in counts or t in h.prompt:
+            out[t] = out[t] / p.repetition_penalty if out[t] > 0 else out[t] * p.repetition_penalty
+        if t in counts:
+            out[t] -= p.frequency_penalty * counts[t] + p.presence_penalty
+    return out
+
+
+CASES = [
+    SamplingParams(temperature=0.0, presence_penalty=1.5),
+    SamplingParams(temperature=0.0, frequency_penalty=0.7),
+    SamplingParams(temperature=0.0, frequency_penalty=-0.5, presence_penalty=-1.0),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3),
+    SamplingParams(temperature=0.0, repetition_penalty=0.8),
+    SamplingParams(temperature=0.0, logit_bias={3: 100.0, 7: -100.0, 11: 2.5}),
+    SamplingParams(temperature=0.0, presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.2,
+                   logit_bias={5: 1.0}),
+]
+
+
+@pytest.mark.parametrize("params", CASES, ids=lambda p: "case")
+def test_processing_matches_the_definitions(params):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, V, generator=g) * 3
+    histories = [History(torch.randint(0, V, (n,), generator=g).tolist(), torch.randint(0, V, (m,), generator=g).tolist())
+                 for n, m in ((0, 0), (5, 0), (0, 9), (12, 30))]
+    expected = [reference(logits[i].tolist(), params, histories[i]) for i in range(4)]
+    plain = SamplingParams(temperature=0.0, logprobs=0)
+    rows = torch.cat([logits, logits[:1]])  # a plain row in the same batch is left alone
+    work = rows.clone()
+    tokens, _ = sample(work, [params] * 4 + [plain], [0] * 5, histories + [None])
+    assert torch.allclose(work[:4], torch.tensor(expected), atol=1e-5)
+    assert torch.equal(work[4], rows[4])
+    assert tokens[:4] == [max(range(V), key=e.__getitem__) for e in expected]
+
+
+def test_penalized_rows_need_their_histories():
+    with pytest.raises(ValueError, match="histories"):
+        sample(torch.zeros(1, V), [SamplingParams(temperature=0.0, presence_penalty=1.0)], [0])
+
+
+def test_logprobs_are_of_the_processed_logits_over_the_temperature():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, V, generator=g)
+    h = History([1, 2], [3, 3, 4])
+    params = [SamplingParams(temperature=0.0, logprobs=5), SamplingParams(temperature=0.5, seed=3, logprobs=20),
+              SamplingParams(temperature=0.0, frequency_penalty=1.0, logprobs=0)]
+    tokens, lps = sample(logits.clone(), params, [0, 0, 0], [None, None, h])
+    for i, (t, lp, p) in enumerate(zip(tokens, lps, params)):
+        row = torch.tensor(reference(logits[i].tolist(), p, h)) if p.penalized else logits[i]
+        want = torch.log_softmax(row / (p.temperature or 1.0), -1)
+        assert lp.logprob == pytest.approx(float(want[t]), abs=1e-5)
+        assert len(lp.top_ids) == p.logprobs == len(lp.top_logprobs)
+        assert lp.top_logprobs == sorted(lp.top_logprobs, reverse=True)
+        assert lp.top_ids == want.topk(p.logprobs).indices.tolist() if p.logprobs else lp.top_ids == []
+        assert sum(math.exp(v) for v in lp.top_logprobs) <= 1.0 + 1e-5
+    assert tokens[0] == lps[0].top_ids[0]  # greedy takes the most likely
+
+
+def test_min_p_keeps_only_tokens_near_the_most_likely():
+    logits = torch.full((1, V), -10.0)
+    logits[0, :4] = torch.tensor([2.0, 1.9, 0.0, -1.0])  # p ratios to the top: 1, 0.90, 0.14, 0.05
+    drawn = set()
+    for seed in range(200):
+        tokens, _ = sample(logits.clone(), [SamplingParams(temperature=1.0, min_p=0.5, seed=seed)], [0])
+        drawn.add(tokens[0])
+    assert drawn == {0, 1}
+
+
+def test_invalid_values_are_rejected_with_their_name():
+    for kwargs, name in (({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+                         ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"logit_bias": {1: 101.0}}, "logit_bias"),
+                         ({"min_p": 1.5}, "min_p"), ({"logprobs": 21}, "logprobs")):
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**kwargs)
+
+
+def engine(spec: str) -> LLMEngine:
+    config = EngineConfig(num_kv_blocks=128, max_num_batched_tokens=256, kv_cache_dtype="float32",
+                          speculative=SpecConfig(mode=spec))
+    return LLMEngine(tiny_model(), tokenizer=None, config=config, model_id="tiny")
+
+
+def test_engine_penalties_and_logprobs_are_the_same_with_speculation_on_and_off():
+    """Penalties look at the output so far, which for a verified row includes the proposals before
+    it: the output and its log-probabilities must not depend on speculation."""
+    g = torch.Generator().manual_seed(2)
+    phrase = torch.randint(0, 97, (6,), generator=g).tolist()
+    ps = [phrase * 4, phrase * 3 + [1, 2], torch.randint(0, 97, (20,), generator=g).tolist()]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, logprobs=3),  # repeats: speculation accepts
+              SamplingParams(temperature=0.0, max_tokens=24, frequency_penalty=0.6, presence_penalty=0.2, logprobs=3),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=24, repetition_penalty=1.4, logprobs=2,
+                             logit_bias={7: 5.0})]
+    results = {}
+    for mode in ("off", "ngram"):
+        e = engine(mode)
+        lps: dict[str, list] = {}
+        for i, (p, sp) in enumerate(zip(ps, params)):
+            e.add_request(str(i), p, sp)
+        tokens = {}
+        while e.has_unfinished():
+            for out in e.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                assert out.logprobs is not None and len(out.logprobs) == len(out.new_token_ids)
+                lps.setdefault(out.request_id, []).extend(out.logprobs)
+        assert_all_blocks_released(e)
+        results[mode] = (tokens, lps)
+        if mode == "ngram":
+            assert e.spec.stats.num_accepted_tokens > 0
+    (t_off, lp_off), (t_on, lp_on) = results["off"], results["ngram"]
+    assert t_off == t_on
+    for rid in t_off:
+        for a, b in zip(lp_off[rid], lp_on[rid]):
+            assert a.top_ids == b.top_ids
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    # and the penalties did something: the penalized greedy request differs from the plain one
+    assert t_off["1"] != run_plain(ps[1])
+
+
+def run_plain(prompt: list[int]) -> list[int]:
+    e = engine("off")
+    e.add_request("x", prompt, SamplingParams(temperature=0.0, max_tokens=24))
+    return run_checked(e)["x"]
