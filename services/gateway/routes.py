@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import hmac
+import importlib.metadata
 import json
 import logging
 import time
@@ -22,7 +23,7 @@ from services.gateway.generation import Generation
 from services.gateway.logprobs import LogprobFormat
 from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.output import OutputText
-from services.gateway.prompts import check_model, prepare
+from services.gateway.prompts import chat_prompt_ids, check_model, normalize_messages, prepare
 from services.gateway.responses import ResponseMeta
 from services.gateway.streaming import CLIENT_GONE, SSEResponse, collect, sse_body
 
@@ -31,6 +32,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+try:
+    _VERSION = importlib.metadata.version("pdserve")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that was not installed
+    _VERSION = "unknown"
 _DRAIN_LIMIT = 64 * 1024 * 1024  # read (and drop) an oversized body up to this, so the client sees the 413
 
 
@@ -93,7 +98,50 @@ async def chat_completions(request: Request) -> Response:
     return await _generate(request, schemas.ChatCompletionRequest, "chat")
 
 
+# vLLM's utility endpoints (at the root, as vLLM serves them), behind the API key like /v1
+utility = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@utility.post("/tokenize")
+async def tokenize(request: Request) -> JSONResponse:
+    state = _state(request)
+    req = schemas.parse(schemas.TokenizeRequest, await read_json(request, state.config.max_body_bytes))
+    check_model(req.model, state.model)
+    tokenizer = state.model.tokenizer
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give either 'prompt' or 'messages'", param="prompt")
+    if req.messages is not None:
+        if req.add_special_tokens:
+            raise bad_request("'add_special_tokens' with 'messages': the chat template writes them",
+                              param="add_special_tokens")
+        ids = chat_prompt_ids(tokenizer, normalize_messages(req.messages))
+    else:
+        ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+    body: dict[str, Any] = {"count": len(ids), "max_model_len": state.model.max_model_len, "tokens": ids}
+    if req.return_token_strs:
+        body["token_strs"] = [tokenizer.id_to_token(t) for t in ids]
+    return JSONResponse(body)
+
+
+@utility.post("/detokenize")
+async def detokenize(request: Request) -> JSONResponse:
+    state = _state(request)
+    req = schemas.parse(schemas.DetokenizeRequest, await read_json(request, state.config.max_body_bytes))
+    check_model(req.model, state.model)
+    tokenizer = state.model.tokenizer
+    bad = next((t for t in req.tokens if not 0 <= t < tokenizer.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary (size {tokenizer.vocab_size})", param="tokens")
+    return JSONResponse({"prompt": tokenizer.decode(req.tokens)})
+
+
+@router.get("/version")
+async def version() -> JSONResponse:
+    return JSONResponse({"version": _VERSION})
+
+
 router.include_router(v1)
+router.include_router(utility)
 
 
 async def read_json(request: Request, limit: int) -> Any:

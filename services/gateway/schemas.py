@@ -154,6 +154,21 @@ class ChatCompletionRequest(GenerationRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a completion prompt, or chat messages rendered with the model's template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None  # default: yes for a prompt, no for messages (the template has them)
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
 def _one_of(value: Any, handler: ValidatorFunctionWrapHandler, expected: str) -> Any:
     """A union's type error as one sentence, instead of one complaint per branch."""
     try:

@@ -539,6 +539,28 @@ async def test_worker_error_event(gateway, client, peer):
     assert resp.json()["error"]["code"] == "overloaded"
 
 
+async def test_tokenize_detokenize_and_version(client, tokenizer):
+    r = await client.post("/tokenize", json={"model": MODEL, "prompt": "Hello world", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tokenizer.encode("Hello world") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == CONTEXT and len(body["token_strs"]) == body["count"]
+    r = await client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})
+    chat_ids = r.json()["tokens"]
+    assert tokenizer.decode(chat_ids).rstrip().endswith("assistant")  # the template's generation prompt
+    r = await client.post("/detokenize", json={"tokens": body["tokens"]})
+    assert r.json() == {"prompt": "Hello world"}
+    for path, bad, needle in (("/tokenize", {"prompt": "a", "messages": []}, "either"),
+                              ("/tokenize", {}, "either"),
+                              ("/detokenize", {"tokens": [10**9]}, "vocabulary"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens"),
+                              ("/tokenize", {"model": "gpt-4", "prompt": "a"}, "gpt-4")):
+        r = await client.post(path, json=bad)
+        assert r.status_code in (400, 404) and needle in r.text, (path, bad, r.text)
+    r = await client.get("/version")
+    assert r.status_code == 200 and r.json()["version"]
+
+
 async def test_models_endpoint(client, peer):
     resp = await client.get("/v1/models")
     assert resp.status_code == 200
