@@ -15,6 +15,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from redis.exceptions import RedisError
 
+from services.gateway.access_log import AccessLog
 from services.gateway.admission import Admission
 from services.gateway.config import GatewayConfig
 from services.gateway.dispatch import Dispatcher
@@ -133,4 +134,5 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.state.startup_error = None
     install_handlers(app)
     app.include_router(router)
+    app.add_middleware(AccessLog)
     return app

@@ -206,6 +206,7 @@ async def _generate(request: Request, schema: type[schemas.GenerationRequest], k
                         skip_special_tokens=params.skip_special_tokens)
     generation = Generation(channel, output, num_prompt_tokens=len(prepared.prompt_ids), metrics=state.metrics,
                             ticket=ticket, arrived=arrived)
+    request.scope.setdefault("state", {})["generation"] = generation  # for the access log
     meta = ResponseMeta(kind, request_id, state.model.name, echo=prepared.echo, continuous_usage=prepared.continuous_usage,
                         logprobs=LogprobFormat(state.model.tokenizer, kind) if params.logprobs is not None else None)
     log.debug("request %s: %d prompt tokens, max_tokens %d, stream=%s", request_id, len(prepared.prompt_ids),

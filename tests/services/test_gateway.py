@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import inspect
 import json
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -559,6 +560,25 @@ async def test_tokenize_detokenize_and_version(client, tokenizer):
         assert r.status_code in (400, 404) and needle in r.text, (path, bad, r.text)
     r = await client.get("/version")
     assert r.status_code == 200 and r.json()["version"]
+
+
+async def test_access_log_has_one_line_per_request(client, peer, caplog):
+    caplog.set_level(logging.INFO, logger="pdserve.access")
+    ok = await client.post("/v1/chat/completions", json=CHAT)
+    await stream_events(client, "/v1/chat/completions", CHAT)
+    bad = await client.post("/v1/chat/completions", json={**CHAT, "temperature": 9})
+    assert ok.status_code == 200 and bad.status_code == 400
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # the streamed request's line comes after its last chunk
+        lines = [r for r in caplog.records if r.name == "pdserve.access"]
+        if len(lines) >= 3:
+            break
+        await asyncio.sleep(0.05)
+    assert len(lines) == 3, [r.getMessage() for r in lines]
+    done = [r.getMessage() for r in lines if " 200 " in r.getMessage()]
+    assert len(done) == 2 and all(f"completion={len(peer.answer_ids)}" in m and "prompt=" in m for m in done)
+    [rejected] = [r for r in lines if " 400 " in r.getMessage()]
+    assert rejected.levelno == logging.WARNING and rejected.getMessage().startswith("POST /v1/chat/completions 400")
 
 
 async def test_models_endpoint(client, peer):
