@@ -3,6 +3,7 @@
     pdserve up [--mode M --prefill N --decode M]   NATS, Valkey, kvstore, workers, gateway on this machine
     pdserve gateway|prefill|decode|kvstore …       one service on its own (how docker-compose runs them)
     pdserve model pull                             fetch the default model into the cache
+    pdserve model export-tokenizer DIR             its tokenizer as a Hugging Face tokenizer directory
     pdserve generate "prompt" [--chat]             stream the model's answer to the terminal
     pdserve bench --base-url URL [--workload W]    load any OpenAI-compatible server, report TTFT/TPOT/ITL/goodput
     pdserve profile | simulate | plan              measure this machine; simulate a fleet; size the pools
@@ -27,6 +28,15 @@ def cmd_model_pull(args: argparse.Namespace) -> int:
     from shared.model.hub import pull_default_model
 
     print(pull_default_model(force=args.force))
+    return 0
+
+
+def cmd_model_export_tokenizer(args: argparse.Namespace) -> int:
+    from shared.model.hub import resolve_model_path
+    from shared.model.tokenizer import Tokenizer
+
+    for path in Tokenizer.from_model(resolve_model_path(args.model)).save(args.directory):
+        print(path)
     return 0
 
 
@@ -89,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     pull = model.add_parser("pull", help="fetch the default model (SmolLM2-135M-Instruct) into the cache")
     pull.add_argument("--force", action="store_true")
     pull.set_defaults(func=cmd_model_pull)
+    export = model.add_parser("export-tokenizer", help="write the model's tokenizer as a Hugging Face tokenizer "
+                              "directory (tokenizer.json, tokenizer_config.json with the chat template), for "
+                              "clients that count tokens locally")
+    export.add_argument("directory")
+    export.add_argument("--model", default=None, help="a .gguf file or model directory (default: the default model)")
+    export.set_defaults(func=cmd_model_export_tokenizer)
 
     gen = sub.add_parser("generate", help="stream the model's answer to a prompt")
     gen.add_argument("prompt")

@@ -233,6 +233,5 @@ def tokenizer_counter(path: str) -> Callable[[str], int]:
     """Token counter of a GGUF file or Hugging Face model directory (no special tokens)."""
     from shared.model.tokenizer import Tokenizer
 
-    p = Path(path)
-    tok = Tokenizer.from_hf_dir(p) if p.is_dir() else Tokenizer.from_gguf(p)
+    tok = Tokenizer.from_model(path)
     return lambda text: len(tok.encode(text, add_special_tokens=False))

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 def load_model_info(config: GatewayConfig) -> ModelInfo:
     """Tokenizer and context length only (metadata: no weights are read)."""
     path = resolve_model_path(config.model)
-    tokenizer = Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer.from_gguf(path)
+    tokenizer = Tokenizer.from_model(path)
     max_model_len = open_checkpoint(path).config.max_model_len
     if config.max_model_len is not None:  # a smaller context (as the workers may be configured), never a larger one
         max_model_len = min(max_model_len, config.max_model_len)

@@ -123,7 +123,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         path = resolve_model_path(config.model)
         model = load_model(path, dtype=config.torch_dtype, device=config.device, quantization=config.quantization)
-        tokenizer = Tokenizer.from_gguf(path) if Path(path).is_file() else Tokenizer.from_hf_dir(path)
+        tokenizer = Tokenizer.from_model(path)
         draft = None
         if config.speculative.mode == "draft" and config.speculative.draft_model:
             draft = load_model(resolve_model_path(config.speculative.draft_model), dtype=config.torch_dtype,

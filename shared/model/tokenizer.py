@@ -219,6 +219,29 @@ class Tokenizer:
             chat_template=template,
         )
 
+    @classmethod
+    def from_model(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer of a model: a .gguf file's, or a Hugging Face directory's."""
+        return cls.from_hf_dir(path) if Path(path).is_dir() else cls.from_gguf(path)
+
+    def save(self, directory: str | Path) -> list[Path]:
+        """Write tokenizer.json, tokenizer_config.json (special tokens, chat template) and
+        generation_config.json (the stop ids), as a Hugging Face tokenizer directory that
+        `transformers.AutoTokenizer` and `from_hf_dir` load with the same ids and template."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        self._backend.save(str(out / "tokenizer.json"))
+        name = lambda i: None if i is None else self.id_to_token(i)  # noqa: E731
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+                  "bos_token": name(self.bos_token_id), "eos_token": name(self.eos_token_id),
+                  "pad_token": name(self.pad_token_id), "unk_token": name(self.unk_token_id),
+                  "model_max_length": 10**30, "add_bos_token": False, "add_eos_token": False}
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        (out / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}, indent=2))
+        (out / "generation_config.json").write_text(json.dumps({"eos_token_id": sorted(self.stop_token_ids)}, indent=2))
+        return [out / f for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json")]
+
     # -- use --------------------------------------------------------------------------------------
 
     @property

@@ -326,3 +326,27 @@ def test_from_hf_dir(tmp_path, tok):
     assert hf.encode(SAMPLES[7]) == tok.encode(SAMPLES[7])
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         Tokenizer.from_hf_dir(tmp_path / "missing")
+
+
+def test_exported_tokenizer_directory_loads_back_the_same(tok, tmp_path, default_gguf):
+    """`pdserve model export-tokenizer`: the directory gives the same ids, special tokens, stop ids
+    and chat template."""
+    from services.cli import main
+
+    assert main(["model", "export-tokenizer", str(tmp_path), "--model", str(default_gguf)]) == 0
+    back = Tokenizer.from_hf_dir(tmp_path)
+    texts = ["Hello world", "def f(x):\n    return x * 2", "日本語のテキスト", "<|im_start|>user\nhi<|im_end|>", "  12345 "]
+    for text in texts:
+        assert back.encode(text) == tok.encode(text)
+        assert back.decode(tok.encode(text)) == tok.decode(tok.encode(text))
+    assert (back.bos_token_id, back.eos_token_id, back.stop_token_ids) == (tok.bos_token_id, tok.eos_token_id,
+                                                                          tok.stop_token_ids)
+    assert back.chat_template == tok.chat_template
+    assert back.all_special_ids == tok.all_special_ids
+
+
+def test_token_bytes_join_to_the_text(tok):
+    for text in ("Hello wörld", "日本 🎉 emoji", "tabs\tand\nnewlines"):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert b"".join(tok.token_bytes(i) for i in ids).decode() == text
+    assert tok.token_bytes(tok.eos_token_id) == tok.eos_token.encode()

@@ -80,7 +80,10 @@ inline vf abs(vf a) { return {_mm512_abs_ps(a.v)}; }
 inline vf fmadd(vf a, vf b, vf c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }   // a * b + c
 inline vf fnmadd(vf a, vf b, vf c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; } // c - a * b
 inline vf round(vf a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
-inline float reduce_add(vf a) { return hsum8(_mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1))); }
+inline float reduce_add(vf a) {
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1));
+  return hsum8(_mm256_add_ps(_mm512_castps512_ps256(a.v), hi));
+}
 inline float reduce_max(vf a) { return _mm512_reduce_max_ps(a.v); }
 // a * 2^n for integral n in [-252, 254] (n as floats)
 inline vf scale2(vf a, vf n) { return {_mm512_scalef_ps(a.v, n.v)}; }
@@ -99,8 +102,8 @@ inline void store_i8(int8_t* p, vi a) { _mm_storeu_si128(reinterpret_cast<__m128
 inline vb load_b(const void* p) { return {_mm512_loadu_si512(p)}; }
 inline vb lo_nibbles(vb a) { return {_mm512_and_si512(a.v, _mm512_set1_epi8(0x0F))}; }
 inline vb hi_nibbles(vb a) { return {_mm512_and_si512(_mm512_srli_epi16(a.v, 4), _mm512_set1_epi8(0x0F))}; }
-// acc + sum of 4 products u8 (at most 15) * s8 per int32 lane
-inline vi dot_u4(vi acc, vb u, vb s) { return {_mm512_dpbusd_epi32(acc.v, u.v, s.v)}; }
+// per int32 lane: the sum of 4 products u * s plus 4 products v * t (u, v: u8 at most 15; s, t: s8)
+inline vi dot_u4x2(vb u, vb s, vb v, vb t) { return {_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u.v, s.v), v.v, t.v)}; }
 // acc + sum of 4 products (u - 128) * s per int32 lane, for u8 codes biased by 128, less the
 // correction: here sum u * s, so callers subtract 128 * sum s (kQ8Biased)
 constexpr bool kQ8Biased = true;
@@ -217,7 +220,13 @@ inline vb hi_nibbles(vb a) {
   const __m256i m = _mm256_set1_epi8(0x0F);
   return {_mm256_and_si256(_mm256_srli_epi16(a.lo, 4), m), _mm256_and_si256(_mm256_srli_epi16(a.hi, 4), m)};
 }
-inline vi dot_u4(vi acc, vb u, vb s) { return {dpbusd8(acc.lo, u.lo, s.lo), dpbusd8(acc.hi, u.hi, s.hi)}; }
+// as on AVX-512; the two products' int16 pair sums are added before widening (each at most
+// 2 * 15 * 127, so their sum cannot saturate): one madd instead of two
+inline __m256i dot_u4x2_8(__m256i u, __m256i s, __m256i v, __m256i t) {
+  const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u, s), _mm256_maddubs_epi16(v, t));
+  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+inline vi dot_u4x2(vb u, vb s, vb v, vb t) { return {dot_u4x2_8(u.lo, s.lo, v.lo, t.lo), dot_u4x2_8(u.hi, s.hi, v.hi, t.hi)}; }
 // acc + sum of 4 products (u - 128) * s per int32 lane, exact: |u - 128| as u8 times s with the
 // sign of u - 128 (pair sums at most 2 * 128 * 127 < 2^15); no correction needed
 constexpr bool kQ8Biased = false;
