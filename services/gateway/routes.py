@@ -102,11 +102,16 @@ async def chat_completions(request: Request) -> Response:
 utility = APIRouter(dependencies=[Depends(require_api_key)])
 
 
+async def _utility_request(request: Request, schema: type) -> tuple[GatewayState, Any]:
+    state = _state(request)
+    req = schemas.parse(schema, await read_json(request, state.config.max_body_bytes))
+    check_model(req.model, state.model)
+    return state, req
+
+
 @utility.post("/tokenize")
 async def tokenize(request: Request) -> JSONResponse:
-    state = _state(request)
-    req = schemas.parse(schemas.TokenizeRequest, await read_json(request, state.config.max_body_bytes))
-    check_model(req.model, state.model)
+    state, req = await _utility_request(request, schemas.TokenizeRequest)
     tokenizer = state.model.tokenizer
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give either 'prompt' or 'messages'", param="prompt")
@@ -125,9 +130,7 @@ async def tokenize(request: Request) -> JSONResponse:
 
 @utility.post("/detokenize")
 async def detokenize(request: Request) -> JSONResponse:
-    state = _state(request)
-    req = schemas.parse(schemas.DetokenizeRequest, await read_json(request, state.config.max_body_bytes))
-    check_model(req.model, state.model)
+    state, req = await _utility_request(request, schemas.DetokenizeRequest)
     tokenizer = state.model.tokenizer
     bad = next((t for t in req.tokens if not 0 <= t < tokenizer.vocab_size), None)
     if bad is not None:

@@ -179,7 +179,7 @@ def _one_of(value: Any, handler: ValidatorFunctionWrapHandler, expected: str) ->
         raise
 
 
-def parse(model: type[GenerationRequest], payload: Any) -> Any:
+def parse(model: type[_Strict], payload: Any) -> Any:
     if not isinstance(payload, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(payload).__name__}")
     try:

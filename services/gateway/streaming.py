@@ -16,11 +16,12 @@ from contextlib import aclosing
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from services.gateway.errors import APIError
 from services.gateway import logprobs as lp
+from services.gateway.errors import APIError
 from services.gateway.generation import Generation, Step
 from services.gateway.responses import (SSE_DONE, ResponseMeta, full_response, role_chunk, sse, text_chunk,
                                         usage_chunk)
+from shared.protocol.messages import Usage
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ async def sse_body(generation: Generation, meta: ResponseMeta, include_usage: bo
         await generation.close()
 
 
-def _step_chunks(meta: ResponseMeta, step: Step, include_usage: bool, so_far) -> list[dict]:
+def _step_chunks(meta: ResponseMeta, step: Step, include_usage: bool, so_far: Usage | None) -> list[dict]:
     chunks = []
     logprobs = meta.logprobs.format(step.logprobs) if meta.logprobs is not None else None
     if step.text:
