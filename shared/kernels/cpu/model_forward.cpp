@@ -17,6 +17,7 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "quant_matmul.h"
@@ -28,6 +29,7 @@ namespace {
 constexpr int64_t kColChunk = 16;   // output columns per work item of a matmul (one vector: see silu)
 constexpr int64_t kPosChunk = 256;  // cache positions per attention work item
 constexpr int64_t kUnitRows = 16;   // rows of one sequence per attention work item (they share its keys)
+constexpr int64_t kPrefetchAhead = 16;  // positions past the next 16 whose cache lines are prefetched
 constexpr int64_t kRowBlock = 64;   // rows per matmul work item: their prepared activations stay in L2
 
 using namespace simd;
@@ -365,6 +367,66 @@ class DecodeModel {
     }
   }
 
+  // kt[i][0..16) = key i of the m <= 16 positions k[0..m) as fp32 (zeros past m), 16 x 16 at a time
+  // through registers; bf16 pairs are transposed as one 32-bit lane and split after (half the shuffles)
+  template <typename T>
+  void transpose_keys(const T* const* k, int64_t m, float* kt) const {
+    const int64_t Dh = dh_;
+    vf r[16];
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (Dh % 32 == 0) {
+        for (int64_t i0 = 0; i0 < Dh; i0 += 32) {
+          for (int64_t j = 0; j < 16; j++) r[j] = j < m ? load(reinterpret_cast<const float*>(k[j] + i0)) : zero();
+          transpose16(r);
+          for (int64_t d = 0; d < 16; d++) {
+            store(kt + (i0 + 2 * d) * kPosChunk, bf16_lo(r[d]));
+            store(kt + (i0 + 2 * d + 1) * kPosChunk, bf16_hi(r[d]));
+          }
+        }
+        return;
+      }
+    }
+    for (int64_t i0 = 0; i0 < Dh; i0 += 16) {
+      for (int64_t j = 0; j < 16; j++) r[j] = j < m ? load16(k[j] + i0) : zero();
+      transpose16(r);
+      for (int64_t d = 0; d < 16; d++) store(kt + (i0 + d) * kPosChunk, r[d]);
+    }
+  }
+
+  // s[g][t] = scale * sum_i q[g][i] kt[i][t] for NG query heads and t < n (rounded up to 16), each
+  // lane's sum in order of i; two blocks of 16 positions at a time (2 x NG independent sums in flight)
+  template <int NG>
+  void scores(const float* q, const float* kt, int64_t n, float scale, float* s) const {
+    const int64_t Dh = dh_;
+    const vf vscale = set1(scale);
+    int64_t tb = 0;
+    for (; tb + 16 < n; tb += 32) {
+      vf a0[NG], a1[NG];
+      for (int g = 0; g < NG; g++) a0[g] = a1[g] = zero();
+      for (int64_t i = 0; i < Dh; i++) {
+        const vf k0 = load(kt + i * kPosChunk + tb), k1 = load(kt + i * kPosChunk + tb + 16);
+        for (int g = 0; g < NG; g++) {
+          const vf qb = set1(q[g * Dh + i]);
+          a0[g] = fmadd(qb, k0, a0[g]);
+          a1[g] = fmadd(qb, k1, a1[g]);
+        }
+      }
+      for (int g = 0; g < NG; g++) {
+        store(s + g * kPosChunk + tb, mul(a0[g], vscale));
+        store(s + g * kPosChunk + tb + 16, mul(a1[g], vscale));
+      }
+    }
+    if (tb < n) {
+      vf a0[NG];
+      for (int g = 0; g < NG; g++) a0[g] = zero();
+      for (int64_t i = 0; i < Dh; i++) {
+        const vf k0 = load(kt + i * kPosChunk + tb);
+        for (int g = 0; g < NG; g++) a0[g] = fmadd(set1(q[g * Dh + i]), k0, a0[g]);
+      }
+      for (int g = 0; g < NG; g++) store(s + g * kPosChunk + tb, mul(a0[g], vscale));
+    }
+  }
+
   // One work item: the partials (max, sum, unnormalised o per query head) of its rows over its
   // positions. The item's keys are gathered once, transposed to fp32 (kt[i][t]), and its values
   // widened (vals[t][i]); then each row, alone:
@@ -380,25 +442,29 @@ class DecodeModel {
     const int64_t n_max = std::min<int64_t>(un.t0 + kPosChunk, pos[un.r1 - 1] + 1) - un.t0;
     float* kt = work;                      // [Dh][kPosChunk]
     float* vals = kt + Dh * kPosChunk;     // [kPosChunk][Dh]
-    float* scores = vals + kPosChunk * Dh; // [G][kPosChunk]
-    float* qrot = scores + G * kPosChunk;  // [G][Dh]
-    // 16 positions at a time, so each line of kt is written whole (lanes past n_max are computed,
-    // never used: zeros keep them finite)
+    float* scores_buf = vals + kPosChunk * Dh; // [G][kPosChunk]
+    float* qrot = scores_buf + G * kPosChunk;  // [G][Dh]
+    // 16 positions at a time, so each line of kt is written whole, transposed in registers (lanes
+    // past n_max are computed, never used: zeros keep them finite)
     for (int64_t tb = 0; tb < n_max; tb += 16) {
       const T* k[16];
       const int64_t m = std::min<int64_t>(16, n_max - tb);
+      // the cache is read from memory, a head's 16 positions at a time: ask for the next 16's keys and
+      // values now, so that their misses overlap this block's work (one thread has few loads in flight)
+      for (int64_t p = un.t0 + tb + 16 + kPrefetchAhead; p < std::min(un.t0 + n_max, un.t0 + tb + 32 + kPrefetchAhead); p++) {
+        const char* line = reinterpret_cast<const char*>(layer_cache + table[p / bs] * s_block + (p % bs) * kv_size + un.h * Dh);
+        for (int64_t off = 0; off < Dh * static_cast<int64_t>(sizeof(T)); off += 64) {
+          _mm_prefetch(line + off, _MM_HINT_T0);
+          _mm_prefetch(line + s_kv * static_cast<int64_t>(sizeof(T)) + off, _MM_HINT_T0);
+        }
+      }
       for (int64_t j = 0; j < m; j++) {
         const int64_t p = un.t0 + tb + j;
         k[j] = layer_cache + table[p / bs] * s_block + (p % bs) * kv_size + un.h * Dh;
         for (int64_t i = 0; i < Dh; i += 16) store(vals + (tb + j) * Dh + i, load16(k[j] + s_kv + i));
       }
-      for (int64_t i = 0; i < Dh; i++) {
-        alignas(64) float col[16] = {};
-        for (int64_t j = 0; j < m; j++) col[j] = static_cast<float>(k[j][i]);
-        store(kt + i * kPosChunk + tb, load(col));
-      }
+      transpose_keys(k, m, kt + tb);
     }
-    const vf vscale = set1(scale);
     for (int64_t r = un.r0; r < un.r1; r++) {
       if (pos[r] < un.t0) continue;
       const int64_t n = std::min<int64_t>(un.t0 + kPosChunk, pos[r] + 1) - un.t0;
@@ -407,19 +473,24 @@ class DecodeModel {
       const float* sn = sinp + pos[r] * (Dh / 2);
       for (int64_t g = 0; g < G; g++) rotate(row + (un.h * G + g) * Dh, c, sn, qrot + g * Dh, Dh);
       float* pr = parts + (first[r * hkv_ + un.h] + un.t0 / kPosChunk) * part;
-      for (int64_t g = 0; g < G; g++) {
-        const float* q = qrot + g * Dh;
-        float* sg = scores + g * kPosChunk;
-        for (int64_t tb = 0; tb < n; tb += 16) {
-          vf acc = zero();
-          for (int64_t i = 0; i < Dh; i++) acc = fmadd(set1(q[i]), load(kt + i * kPosChunk + tb), acc);
-          store(sg + tb, mul(acc, vscale));
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        switch (std::min<int64_t>(4, G - g0)) {
+          case 1: scores<1>(qrot + g0 * Dh, kt, n, scale, scores_buf + g0 * kPosChunk); break;
+          case 2: scores<2>(qrot + g0 * Dh, kt, n, scale, scores_buf + g0 * kPosChunk); break;
+          case 3: scores<3>(qrot + g0 * Dh, kt, n, scale, scores_buf + g0 * kPosChunk); break;
+          default: scores<4>(qrot + g0 * Dh, kt, n, scale, scores_buf + g0 * kPosChunk); break;
         }
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < n; t++) mx = std::max(mx, sg[t]);
+      }
+      for (int64_t g = 0; g < G; g++) {
+        float* sg = scores_buf + g * kPosChunk;
+        vf vmx = set1(-INFINITY);
+        int64_t t = 0;
+        for (; t + 16 <= n; t += 16) vmx = max(vmx, load(sg + t));
+        float mx = reduce_max(vmx);
+        for (; t < n; t++) mx = std::max(mx, sg[t]);
         const vf m = set1(mx);
         vf sum = zero();
-        int64_t t = 0;
+        t = 0;
         for (; t + 16 <= n; t += 16) {
           const vf e = exp16(sub(load(sg + t), m));
           store(sg + t, e);
@@ -444,7 +515,7 @@ class DecodeModel {
           const vf v0 = load(v), v1 = load(v + 16), v2 = load(v + 32), v3 = load(v + 48);
           for (int g = 0; g < 4; g++) {
             if (g >= G) break;
-            const vf w = set1(scores[g * kPosChunk + t]);
+            const vf w = set1(scores_buf[g * kPosChunk + t]);
             acc[g][0] = fmadd(w, v0, acc[g][0]);
             acc[g][1] = fmadd(w, v1, acc[g][1]);
             acc[g][2] = fmadd(w, v2, acc[g][2]);
@@ -462,7 +533,7 @@ class DecodeModel {
           const vf vv = load(vals + t * Dh + i);
           for (int64_t g = 0; g < G; g++) {
             float* o = pr + g * (Dh + 2) + 2 + i;
-            store(o, fmadd(set1(scores[g * kPosChunk + t]), vv, load(o)));
+            store(o, fmadd(set1(scores_buf[g * kPosChunk + t]), vv, load(o)));
           }
         }
     }

@@ -169,6 +169,7 @@ constexpr int kRowTile = 4;
 constexpr bool kWideRowTile = PDSERVE_AVX512;  // 4 x 2 tiles
 template <void (*T41)(const QuantWeight&, const PreparedX&, float*, int64_t, int64_t, int64_t),
           void (*T42)(const QuantWeight&, const PreparedX&, float*, int64_t, int64_t, int64_t),
+          void (*T14)(const QuantWeight&, const PreparedX&, float*, int64_t, int64_t, int64_t),
           void (*T12)(const QuantWeight&, const PreparedX&, float*, int64_t, int64_t, int64_t),
           void (*T11)(const QuantWeight&, const PreparedX&, float*, int64_t, int64_t, int64_t)>
 void tiles(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t n0, int64_t n1, int64_t m0,
@@ -182,6 +183,8 @@ void tiles(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int
   }
   for (; m < m1; m++) {
     int64_t n = n0;
+    if constexpr (kWideRowTile)
+      for (; n + 4 <= n1; n += 4) T14(w, px, y, ldy, m, n);
     for (; n + 2 <= n1; n += 2) T12(w, px, y, ldy, m, n);
     for (; n < n1; n++) T11(w, px, y, ldy, m, n);
   }
@@ -294,11 +297,11 @@ void matmul_cols(const QuantWeight& w, const PreparedX& px, float* y, int64_t ld
   if (m1 < 0) m1 = px.M;
   switch (w.type) {
     case kQ4_1:
-      return tiles<tile_q4_1<kRowTile, 1>, tile_q4_1<kRowTile, 2>, tile_q4_1<1, 2>, tile_q4_1<1, 1>>(w, px, y, ldy, n0, n1, m0, m1);
+      return tiles<tile_q4_1<kRowTile, 1>, tile_q4_1<kRowTile, 2>, tile_q4_1<1, 4>, tile_q4_1<1, 2>, tile_q4_1<1, 1>>(w, px, y, ldy, n0, n1, m0, m1);
     case kQ8_0:
-      return tiles<tile_q8_0<kRowTile, 1>, tile_q8_0<kRowTile, 2>, tile_q8_0<1, 2>, tile_q8_0<1, 1>>(w, px, y, ldy, n0, n1, m0, m1);
+      return tiles<tile_q8_0<kRowTile, 1>, tile_q8_0<kRowTile, 2>, tile_q8_0<1, 4>, tile_q8_0<1, 2>, tile_q8_0<1, 1>>(w, px, y, ldy, n0, n1, m0, m1);
     case kF32:
-      return tiles<tile_f32<kRowTile, 1>, tile_f32<kRowTile, 2>, tile_f32<1, 2>, tile_f32<1, 1>>(w, px, y, ldy, n0, n1, m0, m1);
+      return tiles<tile_f32<kRowTile, 1>, tile_f32<kRowTile, 2>, tile_f32<1, 4>, tile_f32<1, 2>, tile_f32<1, 1>>(w, px, y, ldy, n0, n1, m0, m1);
   }
   throw std::invalid_argument("unsupported weight type " + std::to_string(w.type));
 }

@@ -121,6 +121,37 @@ inline vf bcast2x8(const uint16_t* d) {
   return {_mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), _mm512_castps128_ps512(ab))};
 }
 
+// 16 x 16 transpose: r[i] lane j <- r[j] lane i
+__attribute__((always_inline)) inline void transpose16(vf r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i].v, r[i + 1].v);
+    t[i + 1] = _mm512_unpackhi_ps(r[i].v, r[i + 1].v);
+  }
+  __m512 u[16];
+  for (int i = 0; i < 16; i += 4) {
+    u[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; i++) {
+    t[i] = _mm512_shuffle_f32x4(u[i], u[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(u[i], u[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(u[i + 8], u[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(u[i + 8], u[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 8; i++) {
+    r[i].v = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8].v = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+  }
+}
+// a lane holding two bf16 values (the first in its low half, as in memory) -> each as fp32, exactly
+inline vf bf16_lo(vf a) { return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(a.v), 16))}; }
+inline vf bf16_hi(vf a) {
+  return {_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a.v), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+}
+
 #else  // AVX2
 
 struct vf {
@@ -245,6 +276,49 @@ inline vf bcast2x8(const uint16_t* d) {
   const __m256 ab = bcast2x4(d);  // [a x 4, b x 4]
   return {_mm256_permutevar8x32_ps(ab, _mm256_setzero_si256()), _mm256_permutevar8x32_ps(ab, _mm256_set1_epi32(4))};
 }
+
+
+__attribute__((always_inline)) inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; i++) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+// 16 x 16 transpose as four 8 x 8 ones: r[i] lane j <- r[j] lane i
+__attribute__((always_inline)) inline void transpose16(vf r[16]) {
+  __m256 a[8], b[8], c[8], d[8];
+  for (int i = 0; i < 8; i++) {
+    a[i] = r[i].lo;
+    b[i] = r[i].hi;
+    c[i] = r[i + 8].lo;
+    d[i] = r[i + 8].hi;
+  }
+  transpose8(a);
+  transpose8(b);
+  transpose8(c);
+  transpose8(d);
+  for (int i = 0; i < 8; i++) {
+    r[i] = {a[i], c[i]};
+    r[i + 8] = {b[i], d[i]};
+  }
+}
+inline __m256 bf16_lo8(__m256 a) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(a), 16)); }
+inline __m256 bf16_hi8(__m256 a) {
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline vf bf16_lo(vf a) { return {bf16_lo8(a.lo), bf16_lo8(a.hi)}; }
+inline vf bf16_hi(vf a) { return {bf16_hi8(a.lo), bf16_hi8(a.hi)}; }
 
 #endif
 
