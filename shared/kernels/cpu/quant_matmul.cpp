@@ -19,8 +19,18 @@ using namespace simd;
 // Q8_0 codes are read 2 blocks (64 bytes) at a time; digits in natural order.
 constexpr int kLanesQ4 = 4;  // int32 lanes per block after the dot product (16 bytes of a block per half)
 constexpr int kLanesQ8 = 8;
+constexpr int64_t kPrefetchTiles = 2;  // how many tiles ahead a one-row tile prefetches its weight rows
 
 int64_t padded_blocks(int64_t k) { return (k / 32 + 1) / 2 * 2; }
+
+// Ask for the weight rows a later tile reads ([n, n + count) of w, clipped), so that their misses
+// overlap this tile's work: a weight row is read once a step, from L3 or memory.
+inline void prefetch_rows(const QuantWeight& w, int64_t n, int64_t count) {
+  if (n >= w.n) return;
+  const char* p = reinterpret_cast<const char*>(w.data + n * w.row_bytes);
+  const int64_t bytes = std::min(count, w.n - n) * w.row_bytes;
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
 
 // ------------------------------------------------------------------------------------------ F32
 
@@ -63,6 +73,7 @@ void tile_q4_1(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy,
     ms[j] = ds[j] + nb;
   }
   const int64_t xrow = nb * 32, srow = nb * kLanesQ4;
+  if constexpr (MT == 1) prefetch_rows(w, n + kPrefetchTiles * NT, NT);
   vf acc[MT][NT];
   for (int i = 0; i < MT; i++)
     for (int j = 0; j < NT; j++) acc[i][j] = zero();
@@ -135,6 +146,7 @@ void tile_q8_0(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy,
     ds[j] = reinterpret_cast<const uint16_t*>(us[j] + nb * 32);
   }
   const int64_t xrow = nb * 32, srow = nb * kLanesQ8;
+  if constexpr (MT == 1) prefetch_rows(w, n + kPrefetchTiles * NT, NT);
   vf acc[MT][NT];
   for (int i = 0; i < MT; i++)
     for (int j = 0; j < NT; j++) acc[i][j] = zero();
