@@ -73,7 +73,7 @@ void tile_q4_1(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy,
     ms[j] = ds[j] + nb;
   }
   const int64_t xrow = nb * 32, srow = nb * kLanesQ4;
-  if constexpr (MT == 1) prefetch_rows(w, n + kPrefetchTiles * NT, NT);
+  prefetch_rows(w, n + kPrefetchTiles * NT, NT);
   vf acc[MT][NT];
   for (int i = 0; i < MT; i++)
     for (int j = 0; j < NT; j++) acc[i][j] = zero();
@@ -146,7 +146,7 @@ void tile_q8_0(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy,
     ds[j] = reinterpret_cast<const uint16_t*>(us[j] + nb * 32);
   }
   const int64_t xrow = nb * 32, srow = nb * kLanesQ8;
-  if constexpr (MT == 1) prefetch_rows(w, n + kPrefetchTiles * NT, NT);
+  prefetch_rows(w, n + kPrefetchTiles * NT, NT);
   vf acc[MT][NT];
   for (int i = 0; i < MT; i++)
     for (int j = 0; j < NT; j++) acc[i][j] = zero();
