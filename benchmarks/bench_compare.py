@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from compare_report import write_report
-from compare_systems import SYSTEMS, CpuMonitor, RunningSystem, find_llama_server
+from compare_systems import SYSTEMS, CpuMonitor, RunningSystem, find_llama_server, llama_repack_works
 
 from services.bench.metrics import SLO, distribution
 from services.bench.runner import BenchConfig, BenchResult, chat_summary, run_benchmark
@@ -315,6 +315,7 @@ def main() -> int:
     meta = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "quick": args.quick,
             "settings": asdict(replace(settings, rates=tuple(settings.rates))), "model": str(model),
             "model_bytes": model.stat().st_size, "llama_server": str(llama), "seed": args.seed,
+            "llama_no_repack": not llama_repack_works(llama, model),
             "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
             "wall_s": time.time() - started, "workdir": str(workdir), "timeline": comparison.timeline,
             "order": {"pass 1": list(ORDER), "pass 2": list(reversed(ORDER))} if settings.passes > 1 else

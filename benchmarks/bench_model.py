@@ -1,11 +1,13 @@
 """The engine beside llama.cpp on the same GGUF and the same threads, alternated A B B A in one run.
 
     .venv/bin/python benchmarks/bench_model.py [--rounds 2] [--threads 2] [--json out.json]
-                                               [--llama-bench PATH] [--no-peer]
+                                               [--llama-bench PATH] [--no-peer] [--speculative MODE]
 
-pdserve's engine (the default configuration: the file's weight blocks, the fused forward, bf16 KV)
-and `llama-bench` (built by `benchmarks/build_llama_server.sh`) take turns: pdserve, llama, llama,
-pdserve, … so drift on a shared machine hits both alike. Measured each turn:
+pdserve's engine (the default configuration: the file's weight blocks, the fused forward, bf16 KV;
+speculation off unless --speculative says otherwise, so that a step is one token a sequence as in
+llama-bench's tg) and `llama-bench` (built by `benchmarks/build_llama_server.sh`; its default
+configuration, and `--repack 0` where that crashes: see llama_turn) take turns: pdserve, llama,
+llama, pdserve, … so drift on a shared machine hits both alike. Measured each turn:
 
 - decode tok/s at batch 1 with 128 and 2,000 tokens of context (llama-bench: tg128 at depth 0 and
   2,000), and pdserve's decode at batch 8, 16 and 32;
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from shared.config import EngineConfig
+from shared.config import EngineConfig, SpecConfig
 from shared.engine.engine import LLMEngine
 from shared.model.hub import pdserve_home, resolve_model_path
 from shared.model.quant import QuantLinear
@@ -89,9 +91,12 @@ def decode_step_seconds(engine: LLMEngine, batch: int, context: int, seed: int) 
         engine.step()  # prefill everything first (not timed)
     engine.step()
     t0 = time.perf_counter()
+    tokens = 0
     for _ in range(DECODE_STEPS):
-        assert len(engine.step()) == batch, "every sequence decodes one token per step"
-    dt = (time.perf_counter() - t0) / DECODE_STEPS
+        outs = engine.step()
+        assert len(outs) == batch, "every sequence decodes in every step"
+        tokens += sum(len(o.new_token_ids) for o in outs)
+    dt = (time.perf_counter() - t0) / tokens * batch  # seconds per step of one token a sequence
     for rid in ids:
         engine.abort(rid)
     return dt
@@ -129,25 +134,38 @@ def pdserve_turn(engine: LLMEngine, seed: int) -> dict:
     return out
 
 
+def llama_bench(binary: str, model: Path, threads: int, args: list[str]) -> list[dict] | None:
+    cmd = [binary, "-m", str(model), "-t", str(threads), "-r", "3", "-o", "json", *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        print(f"llama-bench {' '.join(args)} failed (exit {res.returncode}): {res.stderr.strip()[-300:]}", file=sys.stderr)
+        return None
+    return json.loads(res.stdout)
+
+
 def llama_turn(binary: str, model: Path, threads: int) -> dict:
-    """llama-bench's pp512, pp2000, tg128 and tg128 at depth 2,000 (tok/s, its own mean of 3 runs)."""
-    out = {}
-    runs = [(["-p", "512,2000", "-n", "0"], None), (["-p", "0", "-n", "128"], 128), (["-p", "0", "-n", "128", "-d", "2000"], 2000)]
+    """llama-bench's pp512, pp2000, tg128 and tg128 at depth 2,000 (tok/s, its own mean of 3 runs), in
+    its default configuration; a run that crashes there is run again with `--repack 0` (its weights
+    as the file has them, no repacking into the CPU's extra buffer types: on a CPU with AMX, its AMX
+    matmul crashed on batches here) and named in `repack0`. tg128 is also measured with `--repack 0`."""
+    out: dict = {"repack0": []}
+    runs = [(["-p", "512,2000", "-n", "0"], None), (["-p", "0", "-n", "128"], 128), (["-p", "0", "-n", "128", "-d", "2000"], 2000),
+            (["-p", "0", "-n", "128", "--repack", "0"], "128_repack0")]
     for args, ctx in runs:
-        cmd = [binary, "-m", str(model), "-t", str(threads), "-r", "3", "-o", "json", *args]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        if res.returncode != 0:
-            print(f"llama-bench {' '.join(args)} failed: {res.stderr.strip()[-300:]}", file=sys.stderr)
-            continue
-        for row in json.loads(res.stdout):
-            if row["n_gen"] == 0:
-                out[f"pp{row['n_prompt']}"] = row["avg_ts"]
-            else:
-                out[f"tg_b1_ctx{ctx}"] = row["avg_ts"]
+        rows = llama_bench(binary, model, threads, args)
+        fallback = rows is None and "--repack" not in args
+        if fallback:
+            rows = llama_bench(binary, model, threads, [*args, "--repack", "0"])
+        for row in rows or []:
+            key = f"pp{row['n_prompt']}" if row["n_gen"] == 0 else f"tg_b1_ctx{ctx}"
+            out[key] = row["avg_ts"]
+            if fallback:
+                out["repack0"].append(key)
     return out
 
 
-ROWS = [("tg_b1_ctx128", "decode, batch 1, context 128 (tok/s)"), ("tg_b1_ctx2000", "decode, batch 1, context 2,000 (tok/s)"),
+ROWS = [("tg_b1_ctx128", "decode, batch 1, context 128 (tok/s)"),
+        ("tg_b1_ctx128_repack0", "decode, batch 1, context 128, llama.cpp `--repack 0` (tok/s)"), ("tg_b1_ctx2000", "decode, batch 1, context 2,000 (tok/s)"),
         ("mbu_b1_ctx128", "MBU, batch 1, context 128"), ("mbu_b1_ctx2000", "MBU, batch 1, context 2,000"),
         ("tg_b8_ctx128", "decode, batch 8 (tok/s)"), ("tg_b16_ctx128", "decode, batch 16 (tok/s)"),
         ("tg_b32_ctx128", "decode, batch 32 (tok/s)"), ("pp512", "prefill, 512 tokens (tok/s)"),
@@ -162,15 +180,19 @@ def report(turns: list[dict]) -> str:
 
     def ratio(key: str) -> str:
         rs = []  # turns pair up as (P, L), (L, P), …: one ratio per adjacent pair
+        pkey = key.removesuffix("_repack0")  # pdserve has one configuration
         for a, b in zip(turns[::2], turns[1::2]):
             pd, ll = (a, b) if a["system"] == "pdserve" else (b, a)
-            if ll["system"] == "llama" and key in pd and key in ll:
-                rs.append(pd[key] / ll[key])
+            if ll["system"] == "llama" and pkey in pd and key in ll:
+                rs.append(pd[pkey] / ll[key])
         return f"{statistics.median(rs):.2f}× ({min(rs):.2f}–{max(rs):.2f})" if rs else "–"
 
     lines = ["| measure | pdserve | llama.cpp | pdserve ÷ llama.cpp (adjacent turns: median, range) |", "|---|---|---|---|"]
+    repack0 = sorted({k for t in turns for k in t.get("repack0", [])})
     for key, label in ROWS:
-        p, q = med("pdserve", key), med("llama", key)
+        p, q = med("pdserve", key.removesuffix("_repack0")), med("llama", key)
+        if key in repack0:
+            label += " (llama.cpp: `--repack 0`, its default crashed)"
         fmt = (lambda v: "–" if v is None else (f"{100 * v:.0f}%" if key.startswith("mbu") else f"{v:.2f}" if key == "generate_overhead" else f"{v:.1f}"))
         lines.append(f"| {label} | {fmt(p)} | {fmt(q)} | {ratio(key) if not key.startswith(('mbu', 'gen', 'band')) else '–'} |")
     return "\n".join(lines)
@@ -184,6 +206,7 @@ def main() -> int:
     ap.add_argument("--llama-bench", default=str(pdserve_home() / "llama.cpp" / "build" / "bin" / "llama-bench"))
     ap.add_argument("--no-peer", action="store_true", help="pdserve only")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--speculative", default="off", help="pdserve's speculation mode (default off: one token a step)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -191,8 +214,11 @@ def main() -> int:
     peer = not args.no_peer and os.access(args.llama_bench, os.X_OK)
     if not peer and not args.no_peer:
         print(f"no llama-bench at {args.llama_bench}: run benchmarks/build_llama_server.sh (pdserve only)", file=sys.stderr)
+    # speculation off: llama-bench's tg is one token per step, and so is the step measured here (with
+    # speculation a step may keep several tokens; bench_spec.py measures that through the server)
     engine = LLMEngine.from_config(EngineConfig(model=str(model_path), num_threads=args.threads, num_kv_blocks=2048,
-                                                max_num_seqs=64, max_num_batched_tokens=2048))
+                                                max_num_seqs=64, max_num_batched_tokens=2048,
+                                                speculative=SpecConfig(mode=args.speculative)))
     order = ["pdserve", "llama", "llama", "pdserve"] * args.rounds if peer else ["pdserve"] * (2 * args.rounds)
     turns = []
     for i, system in enumerate(order):

@@ -83,7 +83,10 @@ class Report:
                      "default: prompts are also saved to and restored from host memory; `--cache-reuse 0`: no KV "
                      "shifting; slots picked by prompt similarity ≥ 0.10, else least recently used), logical batch "
                      "2048 / physical 512 (defaults: a long prompt is prefilled in one `llama_decode` call). "
-                     "pdserve: bf16 activations + int8 weights (the default), its own NATS + Valkey per stack.", "",
+                     + (" Run with `--no-repack`: on this CPU llama.cpp's default (weights repacked for its AMX "
+                    "kernels) crashed on every prompt batch." if m.get("llama_no_repack") else "")
+                 + " pdserve: the default configuration (the file's Q4_1/Q8_0 blocks, fp32 activations, the fused "
+                   "C++ forward, bf16 KV, suffix speculation), its own NATS + Valkey per stack.", "",
                  "Order: " + "; ".join(f"{k}: {' '.join(v)}" for k, v in m["order"].items())
                  + " (then the cache-off systems for d). Within a system, pass 1 measures the interference "
                    "baseline first, pass 2 the long-prompt phase first.", "")

@@ -10,6 +10,7 @@ Every system is stopped, and checked to be gone, before the next one starts.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import signal
@@ -60,11 +61,27 @@ def find_llama_server(explicit: str | None) -> Path:
     raise FileNotFoundError("llama-server not found: run benchmarks/build_llama_server.sh (or pass --llama-server)")
 
 
+@functools.cache
+def llama_repack_works(binary: Path, model: Path) -> bool:
+    """Whether llama.cpp's default weight repacking survives a batch on this CPU. With AMX, its AMX
+    matmul (used for repacked weights) crashed on every prompt batch on one machine here; there the
+    server runs with --no-repack (the file's weights as they are). Probed once with the llama-bench
+    built beside the server."""
+    bench = binary.with_name("llama-bench")
+    if not bench.is_file():
+        return True
+    res = subprocess.run([str(bench), "-m", str(model), "-t", "2", "-p", "32", "-n", "0", "-r", "1"],
+                         capture_output=True, timeout=300)
+    return res.returncode == 0
+
+
 def llama_command(binary: Path, model: Path, port: int, extra: tuple[str, ...]) -> list[str]:
     # continuous batching is on by default in this build (-cb); the prompt cache too (--cache-prompt,
     # plus the --cache-ram host cache, 8 GiB); --cache-reuse stays 0 (no KV shifting)
+    repack = () if llama_repack_works(binary, model) else ("--no-repack",)
     return [str(binary), "-m", str(model), "-t", "2", "-np", str(LLAMA_SLOTS), "-c",
-            str(LLAMA_SLOTS * LLAMA_CTX_PER_SLOT), "--host", "127.0.0.1", "--port", str(port), "--no-webui", *extra]
+            str(LLAMA_SLOTS * LLAMA_CTX_PER_SLOT), "--host", "127.0.0.1", "--port", str(port), "--no-webui",
+            *repack, *extra]
 
 
 def _stat_cpu_s(pid: int) -> float:

@@ -177,11 +177,15 @@ class WorkerRuntime:
             except Exception as exc:
                 log.warning("task %s ended with %r", task.get_name(), exc)
         if self.nc is not None:
+            # Flush what was published, then close. Not drain(): it waits for every subscription's
+            # queue to empty, and the tasks that read them have ended (what they held is handed
+            # back: JetStream redelivers unacked jobs), so it could only time out — and a timed-out
+            # drain left a cancelled gather that asyncio logged as a traceback at every shutdown.
             try:  # NATS may be gone already (stopped first, or restarting): don't wait for it forever
-                await asyncio.wait_for(self.nc.drain(), 3.0)
+                await asyncio.wait_for(self.nc.flush(), 3.0)
             except Exception as exc:
-                log.warning("NATS drain failed (%r); closing", exc)
-                await self.nc.close()
+                log.warning("NATS flush failed (%r); closing", exc)
+            await self.nc.close()
         if self.redis is not None:
             await self.redis.aclose()
 
