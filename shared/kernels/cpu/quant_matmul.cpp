@@ -19,7 +19,7 @@ using namespace simd;
 // Q8_0 codes are read 2 blocks (64 bytes) at a time; digits in natural order.
 constexpr int kLanesQ4 = 4;  // int32 lanes per block after the dot product (16 bytes of a block per half)
 constexpr int kLanesQ8 = 8;
-constexpr int64_t kPrefetchTiles = 2;  // how many tiles ahead a one-row tile prefetches its weight rows
+constexpr int64_t kPrefetchTiles = 2;  // how many tiles ahead a tile prefetches its weight rows
 
 int64_t padded_blocks(int64_t k) { return (k / 32 + 1) / 2 * 2; }
 
