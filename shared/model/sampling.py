@@ -18,6 +18,15 @@ from dataclasses import dataclass, field
 import torch
 
 
+@dataclass(frozen=True)
+class Constraint:
+    """Structured output (see `shared.protocol.messages.ConstraintMsg`): kind json | regex | choice | grammar."""
+
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 256
@@ -36,6 +45,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> [-100, 100] added to its logit
     min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one
     logprobs: int | None = None  # None: none; n >= 0: the sampled token's and the n most likely
+    constraint: Constraint | None = None  # structured output: what the text must match
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

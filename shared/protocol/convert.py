@@ -6,7 +6,7 @@ import msgspec
 
 from shared.model import sampling
 from shared.model.sampling import SamplingParams
-from shared.protocol.messages import SamplingMsg, TokenLogprobs
+from shared.protocol.messages import ConstraintMsg, SamplingMsg, TokenLogprobs
 
 
 def to_params(msg: SamplingMsg, *, num_resumed: int = 0) -> SamplingParams:
@@ -15,13 +15,17 @@ def to_params(msg: SamplingMsg, *, num_resumed: int = 0) -> SamplingParams:
     fields = msgspec.structs.asdict(msg)
     fields["max_tokens"] = msg.max_tokens - num_resumed
     fields["min_tokens"] = max(0, msg.min_tokens - num_resumed)
+    c = msg.constraint
+    fields["constraint"] = None if c is None else sampling.Constraint(c.kind, c.spec, tuple(c.choices))
     return SamplingParams(**fields)
 
 
 def to_msg(params: SamplingParams) -> SamplingMsg:
     fields = {f: getattr(params, f) for f in SamplingMsg.__struct_fields__}
     return SamplingMsg(**fields | {"stop": list(params.stop), "stop_token_ids": list(params.stop_token_ids),
-                                   "logit_bias": dict(params.logit_bias)})
+                                   "logit_bias": dict(params.logit_bias),
+                                   "constraint": None if (c := params.constraint) is None
+                                   else ConstraintMsg(kind=c.kind, spec=c.spec, choices=list(c.choices))})
 
 
 def logprobs_msg(logprobs: list[sampling.TokenLogprobs] | None) -> list[TokenLogprobs]:

@@ -32,6 +32,18 @@ class Msg(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     v: int = PROTOCOL_VERSION
 
 
+class ConstraintMsg(msgspec.Struct, kw_only=True):
+    """Structured output: the text the model may write, enforced token by token in decode.
+
+    kind "json": a JSON value matching `spec` (a JSON Schema as JSON text; "" = any JSON object);
+    "regex": text matching the regular expression `spec`; "choice": exactly one of `choices`;
+    "grammar": text of the Lark/EBNF grammar `spec`."""
+
+    kind: str
+    spec: str = ""
+    choices: list[str] = []
+
+
 class SamplingMsg(msgspec.Struct, kw_only=True):
     """Wire form of `shared.model.sampling.SamplingParams` (validated again on arrival)."""
 
@@ -51,6 +63,7 @@ class SamplingMsg(msgspec.Struct, kw_only=True):
     logit_bias: dict[int, float] = {}
     min_p: float = 0.0
     logprobs: int | None = None  # per output token: its log-probability and the top `logprobs`
+    constraint: ConstraintMsg | None = None  # structured output (None: free text)
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
