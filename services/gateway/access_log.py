@@ -48,9 +48,10 @@ class AccessLog:
         if not log.isEnabledFor(level):
             return
         extra = ""
-        generation = scope.get("state", {}).get("generation")
-        if generation is not None:  # set by the generation routes once the request was dispatched
-            extra = (f" prompt={generation.num_prompt_tokens} completion={generation.channel.num_tokens}"
-                     f" id={generation.request_id}")
+        generations = scope.get("state", {}).get("generations")
+        if generations:  # set by the generation routes once the request was dispatched (one per choice)
+            first = generations[0]
+            completion = sum(g.channel.num_tokens for g in generations)
+            extra = f" prompt={first.num_prompt_tokens} completion={completion} id={first.request_id}"
         # status 0: the client left (or the app failed) before any response was started
         log.log(level, "%s %s %s %.1f ms%s", scope.get("method", ""), path, status or "-", ms, extra)

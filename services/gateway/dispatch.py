@@ -84,6 +84,10 @@ class RequestChannel:
         self._finished = False  # a final event arrived: the workers are done with the request
         self._abort_reason: str | None = None
         self._closed = False
+        # set once this request's prompt KV can be found by others: it has a second token (so a
+        # decode worker holds it and the kvstore has its blocks) or it ended (n > 1 waits on it)
+        self.progressed = asyncio.Event()
+        self.publish_task: asyncio.Task | None = None  # a job published later (Dispatcher.open's `after`)
 
     @property
     def num_tokens(self) -> int:
@@ -119,6 +123,10 @@ class RequestChannel:
     def aborted(self) -> bool:
         return self._abort_reason is not None
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def fail(self, code: ErrorCode, message: str) -> None:
         """End the stream with an error (the consumer raises StreamError at its next wait): how a
         stopping gateway ends the streams still open, so none is closed without a word."""
@@ -153,6 +161,8 @@ class RequestChannel:
                                                 logprobs=event.logprobs[self._seen - event.index:])
             self._token_ids += new_ids
             self._finished = event.finished
+            if self._seen >= 2 or event.finished:
+                self.progressed.set()
             yield event
 
     async def _next(self) -> object:
@@ -212,6 +222,9 @@ class RequestChannel:
         if self._closed:
             return
         self._closed = True
+        self.progressed.set()
+        if self.publish_task is not None:
+            self.publish_task.cancel()  # the job may not be out yet; the Cancel below covers it if it is
         if self._on_close is not None:
             self._on_close(self)
         try:
@@ -266,7 +279,11 @@ class Dispatcher:
             return subjects.DECODE_DIRECT
         return subjects.PREFILL_JOBS
 
-    async def open(self, request_id: str, prompt_ids: list[int], params: SamplingMsg) -> RequestChannel:
+    async def open(self, request_id: str, prompt_ids: list[int], params: SamplingMsg,
+                   after: RequestChannel | None = None) -> RequestChannel:
+        """Subscribe, then publish the job — or, with `after` (another choice of the same prompt,
+        n > 1), publish it once that one has `progressed`, so its prompt blocks are in the prefix
+        cache and this job computes only the prompt's last, partial block."""
         cfg = self._config
         now = time.time()
         job = PrefillJob(request_id=request_id, prompt_ids=prompt_ids, params=params, created_at=now,
@@ -284,12 +301,28 @@ class Dispatcher:
             role_of=self._workers.role_of if self._workers is not None else None,
             max_migrations=cfg.max_migrations, worker_dead_s=cfg.worker_dead_s, on_close=self._closed)
         self._opened(channel)
+        subject = self.route(len(prompt_ids))
         try:
             await channel.subscribe()  # first: no event can slip past us
-            await self._js.publish(self.route(len(prompt_ids)), encode(job), timeout=cfg.publish_timeout_s)
+            if after is None:
+                await self._js.publish(subject, encode(job), timeout=cfg.publish_timeout_s)
         except (NatsError, TimeoutError) as exc:
             log.warning("request %s: could not publish the job: %s", request_id, exc)
             await channel.close("the job could not be published")
             raise service_unavailable(f"the job queue is unavailable ({type(exc).__name__}); retry shortly",
                                       code="queue_unavailable") from None
+        if after is not None:
+            channel.publish_task = asyncio.create_task(self._publish_after(channel, after, subject, job))
         return channel
+
+    async def _publish_after(self, channel: RequestChannel, after: RequestChannel, subject: str,
+                             job: PrefillJob) -> None:
+        await after.progressed.wait()
+        if channel.aborted or channel.closed:
+            return
+        job = msgspec.structs.replace(job, created_at=time.time())
+        try:
+            await self._js.publish(subject, encode(job), timeout=self._config.publish_timeout_s)
+        except (NatsError, TimeoutError) as exc:
+            log.warning("request %s: could not publish the job: %s", job.request_id, exc)
+            channel.fail(ErrorCode.UNAVAILABLE, f"the job queue is unavailable ({type(exc).__name__}); retry shortly")

@@ -34,8 +34,11 @@ class Step:
 
 class Generation:
     def __init__(self, channel: RequestChannel, output: OutputText, *, num_prompt_tokens: int,
-                 metrics: GatewayMetrics, ticket: Ticket, arrived: float) -> None:
+                 metrics: GatewayMetrics, ticket: Ticket, arrived: float, index: int = 0) -> None:
         self.channel = channel
+        # choice `index` of the request (n > 1); the request's TTFT, latency and outcome are its
+        # first choice's, every choice's tokens count for ITL; the choices share the admission ticket
+        self.index = index
         self.output = output
         self.num_prompt_tokens = num_prompt_tokens
         self._metrics = metrics
@@ -64,7 +67,8 @@ class Generation:
                     raise self._worker_error(event)
                 yield self._final_step(event)
                 self.status = "success"
-                self._metrics.e2e.observe(time.perf_counter() - self._arrived)
+                if self.index == 0:
+                    self._metrics.e2e.observe(time.perf_counter() - self._arrived)
                 return
         except StreamError as exc:
             log.warning("request %s: %s", self.request_id, exc.message)
@@ -111,7 +115,8 @@ class Generation:
     def _observe_tokens(self, n: int) -> None:
         now = time.perf_counter()
         if self._last_token_at is None:
-            self._metrics.ttft.observe(now - self._arrived)
+            if self.index == 0:
+                self._metrics.ttft.observe(now - self._arrived)
             self._ticket.first_token()
         else:  # an event of n tokens: n gaps of equal share (workers may batch tokens per event)
             gap = (now - self._last_token_at) / n
@@ -124,4 +129,5 @@ class Generation:
         frees the admission slot, counts the outcome."""
         await self.channel.close(self._cancel_reason)
         self._ticket.release()
-        self._metrics.count(self.status)
+        if self.index == 0:
+            self._metrics.count(self.status)

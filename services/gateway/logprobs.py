@@ -33,6 +33,10 @@ class LogprobFormat:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._offset = 0
 
+    def fresh(self) -> LogprobFormat:
+        """A formatter for another choice of the request (its own text offset)."""
+        return LogprobFormat(self.tokenizer, self.kind)
+
     def token(self, token_id: int) -> tuple[str, bytes]:
         data = self.tokenizer.token_bytes(token_id)
         try:

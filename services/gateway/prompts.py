@@ -38,6 +38,8 @@ class PreparedRequest:
     include_usage: bool
     continuous_usage: bool = False
     echo: str = ""  # completions' echo: the prompt's text
+    num_choices: int = 1  # n
+    num_candidates: int = 1  # best_of: generated; the num_choices most likely are returned
 
 
 def check_model(requested: str | None, model: ModelInfo) -> None:
@@ -173,4 +175,5 @@ async def prepare(req: CompletionRequest | ChatCompletionRequest, model: ModelIn
             else req.prompt
         echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
     return PreparedRequest(prompt_ids, params, stream=bool(req.stream), include_usage=req.include_usage,
-                           continuous_usage=req.continuous_usage, echo=echo)
+                           continuous_usage=req.continuous_usage, echo=echo, num_choices=req.num_choices,
+                           num_candidates=req.num_candidates)

@@ -1,4 +1,4 @@
-"""The JSON shapes of OpenAI's API, built from our steps (one choice: n=1).
+"""The JSON shapes of OpenAI's API, built from our steps (choice `index` 0 … n-1).
 
     chat, streaming:        chat.completion.chunk  delta {"role": "assistant", "content": ""} first,
                             then delta {"content": ...}, then delta {} with finish_reason
@@ -53,20 +53,20 @@ def usage_dict(usage: Usage) -> dict[str, Any]:
             "draft_tokens": usage.draft_tokens, "accepted_tokens": usage.accepted_tokens}
 
 
-def role_chunk(meta: ResponseMeta) -> dict[str, Any]:
-    return meta.envelope(meta.chunk_object, [{"index": 0, "delta": {"role": "assistant", "content": ""},
+def role_chunk(meta: ResponseMeta, index: int = 0) -> dict[str, Any]:
+    return meta.envelope(meta.chunk_object, [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                "logprobs": None, "finish_reason": None}])
 
 
 def text_chunk(meta: ResponseMeta, text: str, finish_reason: str | None = None,
                stop_reason: str | int | None = None, logprobs: dict[str, Any] | None = None,
-               usage: Usage | None = None) -> dict[str, Any]:
+               usage: Usage | None = None, index: int = 0) -> dict[str, Any]:
     choice: dict[str, Any]
     if meta.kind == "chat":
-        choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+        choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
                   "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason  # vLLM's extension: the stop string / token id that matched
     chunk = meta.envelope(meta.chunk_object, [choice])
@@ -81,16 +81,35 @@ def usage_chunk(meta: ResponseMeta, usage: Usage) -> dict[str, Any]:
     return chunk
 
 
-def full_response(meta: ResponseMeta, text: str, finish_reason: str, stop_reason: str | int | None,
-                  usage: Usage, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    if meta.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": finish_reason, "stop_reason": stop_reason}
-        body = meta.envelope("chat.completion", [choice])
-    else:
-        choice = {"index": 0, "text": meta.echo + text, "logprobs": logprobs, "finish_reason": finish_reason,
-                  "stop_reason": stop_reason}
-        body = meta.envelope("text_completion", [choice])
+@dataclass
+class ChoiceResult:
+    """One choice of a non-streamed response."""
+
+    text: str
+    finish_reason: str
+    stop_reason: str | int | None
+    usage: Usage
+    logprobs: dict[str, Any] | None = None
+
+
+def total_usage(usages: list[Usage]) -> Usage:
+    """One request's usage over its choices: the prompt once, every choice's completion tokens."""
+    first = usages[0]
+    return Usage(prompt_tokens=first.prompt_tokens, completion_tokens=sum(u.completion_tokens for u in usages),
+                 cached_tokens=first.cached_tokens, draft_tokens=sum(u.draft_tokens for u in usages),
+                 accepted_tokens=sum(u.accepted_tokens for u in usages))
+
+
+def full_response(meta: ResponseMeta, choices: list[ChoiceResult], usage: Usage) -> dict[str, Any]:
+    out = []
+    for index, c in enumerate(choices):
+        if meta.kind == "chat":
+            out.append({"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": c.logprobs,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        else:
+            out.append({"index": index, "text": meta.echo + c.text, "logprobs": c.logprobs,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    body = meta.envelope("chat.completion" if meta.kind == "chat" else "text_completion", out)
     body["usage"] = usage_dict(usage)
     return body
 

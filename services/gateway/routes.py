@@ -14,6 +14,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -188,33 +189,49 @@ async def _generate(request: Request, schema: type[schemas.GenerationRequest], k
     except APIError:
         state.metrics.count("rejected")
         raise
+    channels: list = []
     try:
         req = schemas.parse(schema, await read_json(request, state.config.max_body_bytes))
         prepared = await prepare(req, state.model, state.config.default_max_tokens)
         await state.require_workers()
         request_id = uuid.uuid4().hex
-        channel = await state.dispatcher.open(request_id, prepared.prompt_ids, prepared.params)
+        params = prepared.params
+        rank = prepared.num_candidates > prepared.num_choices and params.logprobs is None
+        if rank:  # best_of ranks the candidates by their tokens' log-probabilities
+            params = msgspec.structs.replace(params, logprobs=0)
+        for i in range(prepared.num_candidates):
+            # choice i: its own request (seed + i), published once choice 0's prompt KV is cached
+            rid = request_id if prepared.num_candidates == 1 else f"{request_id}-{i}"
+            seeded = params if params.seed is None or i == 0 else msgspec.structs.replace(params, seed=params.seed + i)
+            channels.append(await state.dispatcher.open(rid, prepared.prompt_ids, seeded,
+                                                        after=channels[0] if i else None))
         ticket.dispatched()
     except APIError as exc:
         ticket.release()
         state.metrics.count(_outcome(exc))
+        for channel in channels:
+            await channel.close("the request failed")
         raise
     except BaseException:
         ticket.release()
         state.metrics.count("error")
+        for channel in channels:
+            await channel.close("the request failed")
         raise
 
-    params = prepared.params
-    output = OutputText(state.model.tokenizer, prepared.prompt_ids, stop=params.stop, min_tokens=params.min_tokens,
-                        skip_special_tokens=params.skip_special_tokens)
-    generation = Generation(channel, output, num_prompt_tokens=len(prepared.prompt_ids), metrics=state.metrics,
-                            ticket=ticket, arrived=arrived)
-    request.scope.setdefault("state", {})["generation"] = generation  # for the access log
+    tokenizer = state.model.tokenizer
+    generations = [
+        Generation(channel, OutputText(tokenizer, prepared.prompt_ids, stop=params.stop, min_tokens=params.min_tokens,
+                                       skip_special_tokens=params.skip_special_tokens),
+                   num_prompt_tokens=len(prepared.prompt_ids), metrics=state.metrics, ticket=ticket, arrived=arrived,
+                   index=i)
+        for i, channel in enumerate(channels)]
+    request.scope.setdefault("state", {})["generations"] = generations  # for the access log
     meta = ResponseMeta(kind, request_id, state.model.name, echo=prepared.echo, continuous_usage=prepared.continuous_usage,
-                        logprobs=LogprobFormat(state.model.tokenizer, kind) if params.logprobs is not None else None)
-    log.debug("request %s: %d prompt tokens, max_tokens %d, stream=%s", request_id, len(prepared.prompt_ids),
-              params.max_tokens, prepared.stream)
+                        logprobs=LogprobFormat(tokenizer, kind) if params.logprobs is not None else None)
+    log.debug("request %s: %d prompt tokens, max_tokens %d, n %d, stream=%s", request_id, len(prepared.prompt_ids),
+              params.max_tokens, len(generations), prepared.stream)
     if prepared.stream:
-        return SSEResponse(sse_body(generation, meta, prepared.include_usage),
-                           on_disconnect=lambda: channel.abort(CLIENT_GONE))
-    return await collect(generation, meta, request.receive)
+        return SSEResponse(sse_body(generations, meta, prepared.include_usage),
+                           on_disconnect=lambda: [c.abort(CLIENT_GONE) for c in channels])
+    return await collect(generations, meta, request.receive, prepared.num_choices, strip_logprobs=rank)

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFun
 from services.gateway.errors import APIError, bad_request, unsupported, validation_error
 
 MAX_STOP_STRINGS = 4
-MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat limit; vLLM's default max_logprobs)
+MAX_LOGPROBS = 20
+MAX_CHOICES = 16  # n and best_of: each choice is a decode stream of its own  # top alternatives per token (OpenAI's chat limit; vLLM's default max_logprobs)
 _SEED_RANGE = (-(2**63), 2**64 - 1)  # what msgpack and torch.Generator.manual_seed both take
 
 
@@ -39,7 +40,7 @@ class GenerationRequest(_Strict):
     seed: int | None = Field(None, ge=_SEED_RANGE[0], le=_SEED_RANGE[1])
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM extension
-    n: int | None = 1
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -90,9 +91,16 @@ class GenerationRequest(_Strict):
         """How many top alternatives each output token's log-probabilities carry (None: none asked)."""
         return None
 
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def num_candidates(self) -> int:
+        """How many completions are generated (best_of ≥ n of them are; the n best are returned)."""
+        return self.num_choices
+
     def unsupported_param(self) -> APIError | None:
-        if self.n is not None and self.n != 1:
-            return unsupported("n", f"= {self.n} is not supported: one choice per request (n=1)")
         if self.stream_options is not None and not self.stream:
             return bad_request("stream_options is only allowed when stream is true", param="stream_options")
         return None
@@ -103,7 +111,7 @@ class CompletionRequest(GenerationRequest):
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -119,9 +127,16 @@ class CompletionRequest(GenerationRequest):
             return unsupported("echo", "together with logprobs (the prompt's log-probabilities) is not supported yet")
         if self.suffix:
             return unsupported("suffix")
-        if self.best_of not in (None, 1):
-            return unsupported("best_of", "other than 1 is not supported by this server")
+        if self.best_of is not None and self.best_of < self.num_choices:
+            return bad_request(f"best_of ({self.best_of}) must be at least n ({self.num_choices})", param="best_of")
+        if self.stream and self.num_candidates > self.num_choices:
+            return bad_request("best_of greater than n cannot be streamed: the best are known only at the end",
+                               param="best_of")
         return super().unsupported_param()
+
+    @property
+    def num_candidates(self) -> int:
+        return max(self.best_of or 1, self.num_choices)
 
 
 class ChatCompletionRequest(GenerationRequest):

@@ -19,8 +19,8 @@ from starlette.types import Receive, Scope, Send
 from services.gateway import logprobs as lp
 from services.gateway.errors import APIError
 from services.gateway.generation import Generation, Step
-from services.gateway.responses import (SSE_DONE, ResponseMeta, full_response, role_chunk, sse, text_chunk,
-                                        usage_chunk)
+from services.gateway.responses import (SSE_DONE, ChoiceResult, ResponseMeta, full_response, role_chunk, sse,
+                                        text_chunk, total_usage, usage_chunk)
 from shared.protocol.messages import Usage
 
 log = logging.getLogger(__name__)
@@ -45,39 +45,96 @@ def watch_disconnect(receive: Receive, on_disconnect: Callable[[], None]) -> asy
     return task
 
 
-async def sse_body(generation: Generation, meta: ResponseMeta, include_usage: bool) -> AsyncIterator[bytes]:
-    """role chunk (chat) → text chunks → finish chunk → [usage chunk] → [DONE]; an error mid-way is
-    sent as `data: {"error": ...}` followed by [DONE]. Closing the generation is always the last act."""
+async def sse_body(generations: list[Generation], meta: ResponseMeta, include_usage: bool) -> AsyncIterator[bytes]:
+    """role chunk (chat) → text chunks → finish chunk → [usage chunk] → [DONE]; with n > 1 the
+    choices' chunks interleave as their tokens come, each with its `index`, and the usage chunk
+    follows the last choice's end. An error mid-way is sent as `data: {"error": ...}` followed by
+    [DONE]. Closing the generations is always the last act."""
+    formats = _formats(meta, len(generations))
+    usages: list[Usage | None] = [None] * len(generations)  # each choice's final usage, once it has ended
     try:
-        if meta.kind == "chat":
-            yield sse(role_chunk(meta))
-        elif meta.echo:
-            yield sse(text_chunk(meta, meta.echo))
+        for g in generations:
+            if meta.kind == "chat":
+                yield sse(role_chunk(meta, g.index))
+            elif meta.echo:
+                yield sse(text_chunk(meta, meta.echo, index=g.index))
         try:
-            async with aclosing(generation.steps()) as steps:
-                async for step in steps:
-                    so_far = generation.usage_so_far() if meta.continuous_usage else None
-                    for chunk in _step_chunks(meta, step, include_usage, so_far):
-                        yield sse(chunk)
+            async for g, step in _interleave(generations):
+                if step.usage is not None:
+                    usages[g.index] = step.usage
+                so_far = _usage_so_far(generations, usages) if meta.continuous_usage else None
+                for chunk in _step_chunks(meta, g.index, formats[g.index], step, so_far):
+                    yield sse(chunk)
+            if include_usage and all(u is not None for u in usages):
+                yield sse(usage_chunk(meta, total_usage(usages)))
         except APIError as exc:
             yield sse(exc.body())
-        if not generation.channel.aborted:
+        if not any(g.channel.aborted for g in generations):
             yield SSE_DONE
     finally:
-        await generation.close()
+        await _close_all(generations)
 
 
-def _step_chunks(meta: ResponseMeta, step: Step, include_usage: bool, so_far: Usage | None) -> list[dict]:
+def _formats(meta: ResponseMeta, n: int) -> list[lp.LogprobFormat | None]:
+    if meta.logprobs is None:
+        return [None] * n
+    return [meta.logprobs] + [meta.logprobs.fresh() for _ in range(n - 1)]
+
+
+def _usage_so_far(generations: list[Generation], usages: list[Usage | None]) -> Usage:
+    return total_usage([u if u is not None else g.usage_so_far() for g, u in zip(generations, usages)])
+
+
+async def _interleave(generations: list[Generation]) -> AsyncIterator[tuple[Generation, Step]]:
+    """Every choice's steps as they come; the first error (APIError) ends them all."""
+    if len(generations) == 1:
+        async with aclosing(generations[0].steps()) as steps:
+            async for step in steps:
+                yield generations[0], step
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(g: Generation) -> None:
+        try:
+            async with aclosing(g.steps()) as steps:
+                async for step in steps:
+                    queue.put_nowait((g, step))
+            queue.put_nowait((g, done))
+        except APIError as exc:
+            queue.put_nowait((g, exc))
+
+    tasks = [asyncio.create_task(pump(g)) for g in generations]
+    try:
+        running = len(tasks)
+        while running:
+            g, item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, APIError):
+                raise item
+            else:
+                yield g, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _close_all(generations: list[Generation]) -> None:
+    await asyncio.gather(*(g.close() for g in generations))
+
+
+def _step_chunks(meta: ResponseMeta, index: int, formatter: lp.LogprobFormat | None, step: Step,
+                 so_far: Usage | None) -> list[dict]:
     chunks = []
-    logprobs = meta.logprobs.format(step.logprobs) if meta.logprobs is not None else None
+    logprobs = formatter.format(step.logprobs) if formatter is not None else None
     if step.text:
-        chunks.append(text_chunk(meta, step.text, logprobs=logprobs, usage=so_far))
+        chunks.append(text_chunk(meta, step.text, logprobs=logprobs, usage=so_far, index=index))
         logprobs = None
     if step.finish_reason is not None:  # with the log-probabilities of tokens that made no text (EOS)
-        chunks.append(text_chunk(meta, "", step.finish_reason, step.stop_reason, logprobs=logprobs,
-                                 usage=step.usage if meta.continuous_usage else None))
-        if include_usage and step.usage is not None:
-            chunks.append(usage_chunk(meta, step.usage))
+        chunks.append(text_chunk(meta, "", step.finish_reason, step.stop_reason, logprobs=logprobs, usage=so_far,
+                                 index=index))
     return chunks
 
 
@@ -115,24 +172,39 @@ class SSEResponse(StreamingResponse):
             await body.aclose()  # runs sse_body's finally: Cancel + slot release
 
 
-async def collect(generation: Generation, meta: ResponseMeta, receive: Receive) -> Response:
-    """Non-streaming: join the steps into one body; errors propagate as APIError (→ HTTP status)."""
-    watcher = watch_disconnect(receive, lambda: generation.channel.abort(CLIENT_GONE))
+async def collect(generations: list[Generation], meta: ResponseMeta, receive: Receive, num_choices: int,
+                  strip_logprobs: bool = False) -> Response:
+    """Non-streaming: join each choice's steps into one body; with best_of > n, the n choices of the
+    highest mean token log-probability. Errors propagate as APIError (→ HTTP status)."""
+    watcher = watch_disconnect(receive, lambda: [g.channel.abort(CLIENT_GONE) for g in generations])
+    formats = _formats(meta, len(generations))
+    texts: list[list[str]] = [[] for _ in generations]
+    logprobs: list[list[dict | None]] = [[] for _ in generations]
+    finals: list[Step | None] = [None] * len(generations)
     try:
-        texts: list[str] = []
-        logprobs: list[dict | None] = []
-        final: Step | None = None
-        async with aclosing(generation.steps()) as steps:
-            async for step in steps:
-                texts.append(step.text)
-                if meta.logprobs is not None:
-                    logprobs.append(meta.logprobs.format(step.logprobs))
-                if step.finish_reason is not None:
-                    final = step
-        if final is None or final.usage is None:  # the client left: nobody reads this
+        async for g, step in _interleave(generations):
+            texts[g.index].append(step.text)
+            if formats[g.index] is not None:
+                logprobs[g.index].append(formats[g.index].format(step.logprobs))
+            if step.finish_reason is not None:
+                finals[g.index] = step
+        if any(f is None or f.usage is None for f in finals):  # the client left: nobody reads this
             return Response(status_code=499)
-        return JSONResponse(full_response(meta, "".join(texts), final.finish_reason, final.stop_reason, final.usage,
-                                          lp.join(logprobs)))
+        results = [ChoiceResult("".join(t), f.finish_reason, f.stop_reason, f.usage, lp.join(parts))
+                   for t, f, parts in zip(texts, finals, logprobs)]
+        usage = total_usage([r.usage for r in results])
+        if len(results) > num_choices:
+            results = sorted(results, key=_mean_logprob, reverse=True)[:num_choices]
+        if strip_logprobs:
+            for r in results:
+                r.logprobs = None
+        return JSONResponse(full_response(meta, results, usage))
     finally:
         watcher.cancel()
-        await generation.close()
+        await _close_all(generations)
+
+
+def _mean_logprob(choice: ChoiceResult) -> float:
+    """OpenAI's best_of ranking: log-probability per token (a choice without tokens ranks last)."""
+    values = (choice.logprobs or {}).get("token_logprobs") or []
+    return sum(values) / len(values) if values else float("-inf")

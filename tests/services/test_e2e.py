@@ -221,6 +221,36 @@ def test_prefix_reuse_reports_cached_tokens(disagg):
         time.sleep(0.2)
 
 
+def _prefill_prefix_counters(url: str) -> tuple[float, float]:
+    rows = lambda name: sum(v for k, v in metric_values(url, name).items() if 'service="prefill"' in k)  # noqa: E731
+    return rows("pdserve_prefix_cache_queries_total"), rows("pdserve_prefix_cache_hits_total")
+
+
+def test_n_choices_share_one_prefill_and_are_the_offline_engines(disagg):
+    """n=4 at temperature 0.8 with a seed: four distinct choices, each the offline engine's output
+    for seed + i, the same when asked again; the prompt is computed once (choices 1-3 find its
+    whole blocks in the prefix cache and compute only the partial last one)."""
+    prompt = ("Here are notes from a gardening club meeting. " * 6) + "Write a short poem about the tomatoes."
+    params = {"temperature": 0.8, "top_p": 0.95, "seed": 1234, "max_tokens": 24}
+    q0, h0 = _prefill_prefix_counters(disagg)
+    first = chat(disagg, prompt, n=4, **params)
+    texts = [c["message"]["content"] for c in sorted(first["choices"], key=lambda c: c["index"])]
+    assert len(set(texts)) == 4, texts
+    for i, text in enumerate(texts):
+        assert text == offline(prompt, **params | {"seed": 1234 + i}).text, i
+    num_prompt = first["usage"]["prompt_tokens"]
+    whole = (num_prompt - 1) // 16  # blocks a prefill looks up
+    assert whole >= 4
+    deadline = time.monotonic() + 15  # the prefill worker's counters come with its next published stats
+    while (c := _prefill_prefix_counters(disagg)) and c[0] - q0 < 4 * whole:
+        assert time.monotonic() < deadline, c
+        time.sleep(0.2)
+    queries, hits = c[0] - q0, c[1] - h0
+    assert queries == 4 * whole and hits >= 3 * whole, (queries, hits)  # choices 1-3: every whole block cached
+    again = chat(disagg, prompt, n=4, **params)
+    assert [c["message"]["content"] for c in sorted(again["choices"], key=lambda c: c["index"])] == texts
+
+
 def test_two_decode_workers_share_concurrent_load(disagg_stack):
     stack, disagg = disagg_stack
     results = []

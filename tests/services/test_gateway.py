@@ -386,6 +386,64 @@ async def test_chat_streaming_shape_with_usage(client, peer):
     assert usage_chunk["usage"]["prompt_tokens_details"] == {"cached_tokens": CACHED_TOKENS}
 
 
+async def test_n_choices_are_requests_of_their_own_published_after_the_first(client, peer, tokenizer):
+    resp = await client.post("/v1/chat/completions", json={**CHAT, "n": 3, "seed": 7, "temperature": 0.8})
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    assert [c["index"] for c in data["choices"]] == [0, 1, 2]
+    assert all(c["message"]["content"] == ANSWER and c["finish_reason"] == "stop" for c in data["choices"])
+    n_out = len(peer.answer_ids)
+    prompt_ids = chat_prompt_ids(tokenizer, CHAT["messages"])
+    assert data["usage"]["prompt_tokens"] == len(prompt_ids)  # the prompt once, every choice's tokens
+    assert data["usage"]["completion_tokens"] == 3 * n_out
+    rid = request_id(data)
+    jobs = [peer.jobs[f"{rid}-{i}"][1] for i in range(3)]
+    assert [j.params.seed for j in jobs] == [7, 8, 9]  # distinct, reproducible choices
+    assert all(j.prompt_ids == prompt_ids for j in jobs)
+    # choices 1, 2 wait until choice 0 has a second token (its prompt's KV is in the prefix cache)
+    assert jobs[1].created_at >= jobs[0].created_at + peer.token_delay and jobs[2].created_at >= jobs[1].created_at
+
+
+async def test_n_choices_stream_interleaved_with_one_usage_chunk(client, peer):
+    events = await stream_events(client, "/v1/chat/completions",
+                                 {**CHAT, "n": 2, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    for i in (0, 1):
+        mine = [c for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert mine[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in mine) == ANSWER
+        assert [c["choices"][0]["finish_reason"] for c in mine].count("stop") == 1
+        assert mine[-1]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2 * len(peer.answer_ids)
+    assert all("usage" not in c for c in chunks[:-1])
+
+
+async def test_best_of_generates_candidates_and_returns_n(client, peer):
+    resp = await client.post("/v1/completions", json={**COMPLETION, "best_of": 3, "seed": 1})
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    assert len(data["choices"]) == 1 and data["choices"][0]["index"] == 0
+    assert data["choices"][0]["logprobs"] is None  # asked for internally (to rank), not returned
+    assert data["usage"]["completion_tokens"] == 3 * len(peer.answer_ids)  # every candidate was generated
+    rid = request_id(data)
+    assert [peer.jobs[f"{rid}-{i}"][1].params.logprobs for i in range(3)] == [0, 0, 0]
+
+
+async def test_n_choices_disconnect_cancels_every_choice(client, peer):
+    peer.behavior = "stall"
+    rid = None
+    async with client.stream("POST", "/v1/chat/completions", json={**CHAT, "n": 2, "stream": True}) as resp:
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                rid = request_id(chunk)
+                if chunk["choices"][0]["delta"].get("content"):
+                    break
+    for i in range(2):
+        await peer.wait_cancel(f"{rid}-{i}")
+
+
 async def test_continuous_usage_stats_puts_the_tokens_so_far_in_every_chunk(client, peer):
     events = await stream_events(client, "/v1/chat/completions",
                                  {**CHAT, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
@@ -808,7 +866,10 @@ BAD_REQUESTS = [
     ("max_tokens -5", "/v1/chat/completions", {**CHAT, "max_tokens": -5}, {}, 400, "max_tokens"),
     ("max_tokens float", "/v1/completions", {**COMPLETION, "max_tokens": 5.5}, {}, 400, "max_tokens"),
     ("max_tokens over context", "/v1/completions", {**COMPLETION, "max_tokens": 100000}, {}, 400, str(CONTEXT)),
-    ("n=2", "/v1/chat/completions", {**CHAT, "n": 2}, {}, 400, "n"),
+    ("n=0", "/v1/chat/completions", {**CHAT, "n": 0}, {}, 400, "n"),
+    ("n=17", "/v1/chat/completions", {**CHAT, "n": 17}, {}, 400, "n"),
+    ("best_of below n", "/v1/completions", {**COMPLETION, "n": 3, "best_of": 2}, {}, 400, "best_of"),
+    ("best_of streamed", "/v1/completions", {**COMPLETION, "best_of": 2, "stream": True}, {}, 400, "best_of"),
     ("stream not bool", "/v1/chat/completions", {**CHAT, "stream": "yes"}, {}, 400, "stream"),
     ("stream_options without stream", "/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}},
      {}, 400, "stream_options"),
