@@ -179,7 +179,8 @@ class DecodeWorker(WorkerRuntime):
             out = item.output
             index = out.output_index
             if not out.finished:
-                await self.publish_tokens(rid, index, out.new_token_ids, logprobs=out.logprobs)
+                await self.publish_tokens(rid, index, out.new_token_ids, logprobs=out.logprobs,
+                                          prompt_logprobs=out.prompt_logprobs)
                 continue
             if out.finish_reason == FinishReason.ABORT:
                 return
@@ -189,5 +190,5 @@ class DecodeWorker(WorkerRuntime):
                                      completion_tokens=index + len(out.new_token_ids),
                                      cached_tokens=max(cached_tokens, out.num_cached_tokens), timing=timing,
                                      draft_tokens=out.draft_tokens, accepted_tokens=out.accepted_tokens,
-                                     logprobs=out.logprobs)
+                                     logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs)
             return

@@ -48,6 +48,7 @@ class Generation:
         self.status = "cancelled"  # requests_total label; set as the request ends
         self._cancel_reason = "the client stopped reading"
         self._logprobs: list[tuple[int, TokenLogprobs]] = []  # not yet handed out with a step
+        self.prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1 … P-1's (echo + logprobs)
 
     @property
     def request_id(self) -> str:
@@ -78,6 +79,8 @@ class Generation:
 
     def _add(self, event: TokenEvent) -> str:
         """The event's tokens into the text (and their log-probabilities, for those the text took)."""
+        if event.prompt_logprobs and self.prompt_logprobs is None:
+            self.prompt_logprobs = event.prompt_logprobs
         before = self.output.num_tokens
         text = self.output.add(event.token_ids)
         taken = self.output.num_tokens - before

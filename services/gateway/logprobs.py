@@ -50,6 +50,11 @@ class LogprobFormat:
             return None
         return self._chat(tokens) if self.kind == "chat" else self._completion(tokens)
 
+    def format_prompt(self, prompt_ids: list[int], logprobs: list[TokenLogprobs]) -> dict[str, Any]:
+        """Completions' echo: the prompt's tokens, the first without a log-probability (None), as
+        vLLM and OpenAI write it; the output's offsets then continue after the prompt's text."""
+        return self._completion(list(zip(prompt_ids[1:], logprobs)), first=prompt_ids[0])
+
     def _chat(self, tokens: list[tuple[int, TokenLogprobs]]) -> dict[str, Any]:
         content = []
         for token_id, lp in tokens:
@@ -61,8 +66,15 @@ class LogprobFormat:
             content.append({"token": text, "logprob": _value(lp.logprob), "bytes": list(data), "top_logprobs": top})
         return {"content": content}
 
-    def _completion(self, tokens: list[tuple[int, TokenLogprobs]]) -> dict[str, Any]:
+    def _completion(self, tokens: list[tuple[int, TokenLogprobs]], first: int | None = None) -> dict[str, Any]:
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        if first is not None:  # a token with nothing before it: no log-probability
+            text, data = self.token(first)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            out["text_offset"].append(self._offset)
+            self._offset += len(self._decoder.decode(data))
         for token_id, lp in tokens:
             text, data = self.token(token_id)
             out["tokens"].append(text)

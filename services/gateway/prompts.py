@@ -150,6 +150,8 @@ def sampling_msg(req: GenerationRequest, max_tokens: int, vocab_size: int) -> Sa
         logit_bias=bias,
         min_p=float(req.min_p or 0.0),
         logprobs=req.num_logprobs,
+        # completions' echo + logprobs: the prompt's log-probabilities too (computed in prefill)
+        prompt_logprobs=req.logprobs if isinstance(req, CompletionRequest) and req.echo else None,
     )
 
 

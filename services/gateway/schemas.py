@@ -123,8 +123,6 @@ class CompletionRequest(GenerationRequest):
         return self.logprobs
 
     def unsupported_param(self) -> APIError | None:
-        if self.echo and self.logprobs is not None:
-            return unsupported("echo", "together with logprobs (the prompt's log-probabilities) is not supported yet")
         if self.suffix:
             return unsupported("suffix")
         if self.best_of is not None and self.best_of < self.num_choices:

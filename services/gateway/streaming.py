@@ -52,14 +52,20 @@ async def sse_body(generations: list[Generation], meta: ResponseMeta, include_us
     [DONE]. Closing the generations is always the last act."""
     formats = _formats(meta, len(generations))
     usages: list[Usage | None] = [None] * len(generations)  # each choice's final usage, once it has ended
+    echo_later = bool(meta.echo) and meta.logprobs is not None  # with the prompt's log-probabilities
     try:
         for g in generations:
             if meta.kind == "chat":
                 yield sse(role_chunk(meta, g.index))
-            elif meta.echo:
+            elif meta.echo and not echo_later:
                 yield sse(text_chunk(meta, meta.echo, index=g.index))
+        echoed: set[int] = set()
         try:
             async for g, step in _interleave(generations):
+                if echo_later and g.index not in echoed:  # the prompt's log-probabilities came with token 0
+                    echoed.add(g.index)
+                    yield sse(text_chunk(meta, meta.echo, logprobs=_echo_logprobs(formats[g.index], g),
+                                         index=g.index))
                 if step.usage is not None:
                     usages[g.index] = step.usage
                 so_far = _usage_so_far(generations, usages) if meta.continuous_usage else None
@@ -79,6 +85,10 @@ def _formats(meta: ResponseMeta, n: int) -> list[lp.LogprobFormat | None]:
     if meta.logprobs is None:
         return [None] * n
     return [meta.logprobs] + [meta.logprobs.fresh() for _ in range(n - 1)]
+
+
+def _echo_logprobs(formatter: lp.LogprobFormat, g: Generation) -> dict:
+    return formatter.format_prompt(g.output.prompt_ids, g.prompt_logprobs or [])
 
 
 def _usage_so_far(generations: list[Generation], usages: list[Usage | None]) -> Usage:
@@ -184,6 +194,8 @@ async def collect(generations: list[Generation], meta: ResponseMeta, receive: Re
     try:
         async for g, step in _interleave(generations):
             texts[g.index].append(step.text)
+            if meta.echo and formats[g.index] is not None and not logprobs[g.index]:
+                logprobs[g.index].append(_echo_logprobs(formats[g.index], g))
             if formats[g.index] is not None:
                 logprobs[g.index].append(formats[g.index].format(step.logprobs))
             if step.finish_reason is not None:

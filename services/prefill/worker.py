@@ -94,7 +94,8 @@ class PrefillWorker(WorkerRuntime):
         bs = self.engine.config.block_size
         # every full block's key (none with prefix caching off: nothing is looked up or indexed)
         keys = block_keys(tokens, bs, self.engine.kv.model_id) if self.engine.config.enable_prefix_caching else []
-        lookup_keys = keys[: (len(tokens) - 1) // bs]  # leave ≥ 1 token to compute
+        # leave ≥ 1 token to compute; the prompt's log-probabilities need every token computed
+        lookup_keys = keys[: (len(tokens) - 1) // bs] if params.prompt_logprobs is None else []
         lease, hits, prefix, segment = "", [], None, ""
         try:
             found = await self.kv.lookup(lookup_keys, lease_ttl_s=self.config.lease_ttl_s)
@@ -128,9 +129,10 @@ class PrefillWorker(WorkerRuntime):
             await self.publish_final(rid, index, out.new_token_ids, finish_reason=str(out.finish_reason),
                                      stop_reason=out.stop_reason, prompt_tokens=len(job.prompt_ids),
                                      completion_tokens=index + 1, cached_tokens=len(hits) * bs, timing=timing,
-                                     logprobs=out.logprobs)
+                                     logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs)
             return
-        await self.publish_tokens(rid, index, out.new_token_ids, logprobs=out.logprobs)  # token 1: this is TTFT
+        await self.publish_tokens(rid, index, out.new_token_ids, logprobs=out.logprobs,  # token 1: this is TTFT
+                                  prompt_logprobs=out.prompt_logprobs)
         refs, lease, segment = await self._store_blocks(rid, item.kv_blocks, hits, keys, lease, segment, timing)
         decode_job = DecodeJob(
             request_id=rid, token_ids=tokens, first_token=out.new_token_ids[0], params=job.params,

@@ -28,7 +28,7 @@ from shared.kvcache.kv_cache_manager import KVCacheManager
 from shared.model.detokenizer import IncrementalDetokenizer
 from shared.model.hub import resolve_model_path
 from shared.model.llama import LlamaModel, load_model
-from shared.model.sampling import History, SamplingParams, TokenLogprobs, sample
+from shared.model.sampling import History, SamplingParams, TokenLogprobs, prompt_logprobs, sample
 from shared.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ class RequestOutput:
     draft_tokens: int = 0  # speculative proposals verified for this request so far
     accepted_tokens: int = 0  # of them, kept
     logprobs: list[TokenLogprobs] | None = None  # one per new token, where the request asked for them
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1 … P-1's, on the first output only
 
 
 class LLMEngine:
@@ -234,6 +235,8 @@ class LLMEngine:
         self.stats.tokens_computed += sched.num_batched_tokens  # the proposals verified are counted in spec.stats
         t0 = time.perf_counter()
         logits = self.runner.execute(chunks)
+        if any(c.num_logits > 1 and p is None for c, p in zip(chunks, proposals)):
+            logits = self._take_prompt_logprobs(logits, sched.scheduled, chunks)
         sampled = [(s.seq, p) for s, p in zip(sched.scheduled, proposals) if s.completes_prompt]
         t1 = time.perf_counter()
         tokens, logprobs = self._sample(logits, [(seq, p.tokens if p else []) for seq, p in sampled])
@@ -285,7 +288,32 @@ class LLMEngine:
                 return ScheduledChunk(ids + proposal.tokens, start, seq.block_table, 1 + len(proposal.tokens))
         else:
             ids = seq.all_token_ids[start:start + n]
+            if seq.params.prompt_logprobs is not None:  # every prompt row's logits: the next token's log-probs
+                return ScheduledChunk(ids, start, seq.block_table, n)
         return ScheduledChunk(ids, start, seq.block_table, int(need_logits))
+
+    def _take_prompt_logprobs(self, logits: torch.Tensor, scheduled: list, chunks: list[ScheduledChunk]
+                              ) -> torch.Tensor:
+        """Record the prompt log-probabilities of chunks that kept every row's logits, and return
+        the rows left to sample (each chunk's last row where it completes its prompt)."""
+        keep: list[int] = []
+        r = 0
+        for s, c in zip(scheduled, chunks):
+            seq = s.seq
+            if seq.params.prompt_logprobs is None or c.start_pos >= seq.num_prompt_tokens:
+                keep.extend(range(r, r + c.num_logits))
+                r += c.num_logits
+                continue
+            n = c.num_logits - int(s.completes_prompt)  # rows predicting prompt tokens start+1 … start+n
+            if seq.prompt_logprobs is None:
+                seq.prompt_logprobs = [None] * (seq.num_prompt_tokens - 1)
+            targets = seq.prompt_ids[c.start_pos + 1:c.start_pos + 1 + n]
+            for j, lp in enumerate(prompt_logprobs(logits[r:r + n], targets, seq.params.prompt_logprobs)):
+                seq.prompt_logprobs[c.start_pos + j] = lp
+            if s.completes_prompt:
+                keep.append(r + n)
+            r += c.num_logits
+        return logits[keep]
 
     def _sample(self, logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]]
                 ) -> tuple[list[int], list[TokenLogprobs | None]]:
@@ -380,7 +408,9 @@ class LLMEngine:
             stop_reason=seq.stop_reason,
             output_index=seq.num_resumed + len(seq.output_ids) - len(new_tokens),
             draft_tokens=seq.spec.draft_tokens, accepted_tokens=seq.spec.accepted_tokens, logprobs=logprobs,
+            prompt_logprobs=seq.prompt_logprobs,
         )
+        seq.prompt_logprobs = None  # handed out once
         if seq.is_finished and seq.finish_reason != FinishReason.PREFILLED:
             self.seqs.pop(rid, None)
             self._forget(rid)
@@ -413,6 +443,7 @@ class LLMEngine:
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
         texts: dict[str, list[str]] = {rid: [] for rid in ids}
         logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in ids}
+        prompt_lps: dict[str, list[TokenLogprobs] | None] = {}
         final: dict[str, RequestOutput] = {}
         for rid, prompt, p in zip(ids, prompts, params_list):
             self.add_request(rid, prompt, p)
@@ -421,6 +452,8 @@ class LLMEngine:
                 tokens[out.request_id].extend(out.new_token_ids)
                 texts[out.request_id].append(out.text)
                 logprobs[out.request_id].extend(out.logprobs or [])
+                if out.prompt_logprobs is not None:
+                    prompt_lps[out.request_id] = out.prompt_logprobs
                 if out.finished:
                     final[out.request_id] = out
         results = []
@@ -428,5 +461,6 @@ class LLMEngine:
             out = final[rid]
             out.new_token_ids, out.text = tokens[rid], "".join(texts[rid])
             out.logprobs = logprobs[rid] if p.logprobs is not None else None
+            out.prompt_logprobs = prompt_lps.get(rid)
             results.append(out)
         return results

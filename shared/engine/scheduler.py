@@ -74,7 +74,7 @@ class Scheduler:
             return out  # memory is tight: admit nobody new this step
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            if not seq.block_table:
+            if not seq.block_table and seq.params.prompt_logprobs is None:  # those need every prompt row
                 cached = self.kv.match_prefix(seq)
                 if seq.num_preemptions == 0:
                     seq.num_cached_tokens = cached

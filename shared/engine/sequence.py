@@ -43,6 +43,9 @@ class Sequence:
     num_resumed: int = 0  # output tokens produced before this engine got the request (migration)
     text: str = ""  # detokenized output so far (engines with a tokenizer fill it in)
     spec: SeqSpec = field(default_factory=SeqSpec)  # speculative decoding: acceptance, counts
+    # params.prompt_logprobs: [p - 1] for prompt token p ≥ 1, filled in as the prompt's chunks run;
+    # handed out with the first output, then None
+    prompt_logprobs: list | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

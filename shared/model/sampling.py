@@ -46,6 +46,9 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one
     logprobs: int | None = None  # None: none; n >= 0: the sampled token's and the n most likely
     constraint: Constraint | None = None  # structured output: what the text must match
+    # the prompt's tokens' log-probabilities (each given the tokens before it) and the n most likely
+    # there: the whole prompt is computed (no prefix cache), every row's logits kept (echo + logprobs)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,6 +76,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -179,6 +184,20 @@ def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: l
         vals = top.values[j, :n].tolist() if n else []
         out[i] = TokenLogprobs(chosen[j], ids, vals)
     return out
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+    """logits: [n, V], row j the model's prediction of targets[j] → each target's log-probability
+    and the k most likely tokens' (of the raw logits: no penalty or temperature, as vLLM's prompt
+    log-probabilities)."""
+    if not targets:
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(targets).unsqueeze(1)).squeeze(1).tolist()
+    if not k:
+        return [TokenLogprobs(c, [], []) for c in chosen]
+    top = lp.topk(k, dim=-1)
+    return [TokenLogprobs(c, ids, vals) for c, ids, vals in zip(chosen, top.indices.tolist(), top.values.tolist())]
 
 
 def _probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -64,6 +64,7 @@ class SamplingMsg(msgspec.Struct, kw_only=True):
     min_p: float = 0.0
     logprobs: int | None = None  # per output token: its log-probability and the top `logprobs`
     constraint: ConstraintMsg | None = None  # structured output (None: free text)
+    prompt_logprobs: int | None = None  # per prompt token after the first (echo + logprobs); no prefix cache
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -135,6 +136,9 @@ class TokenEvent(Msg, kw_only=True):
     index: int
     token_ids: list[int] = []
     logprobs: list[TokenLogprobs] = []  # one per token id, where the request asked for them
+    # on the first event of a request that asked for them: prompt tokens 1 … P-1's, each given the
+    # tokens before it (token 0 has none)
+    prompt_logprobs: list[TokenLogprobs] = []
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None

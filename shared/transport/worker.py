@@ -147,10 +147,12 @@ class WorkerRuntime:
                            **spec)
 
     async def publish_tokens(self, request_id: str, index: int, token_ids: list[int], *, logprobs=None,
-                             **fields) -> None:
-        """`logprobs`: the engine's, one per token id (None: not asked for)."""
+                             prompt_logprobs=None, **fields) -> None:
+        """`logprobs`: the engine's, one per token id (None: not asked for); `prompt_logprobs`: the
+        prompt's, with the request's first tokens."""
         event = TokenEvent(request_id=request_id, index=index, token_ids=token_ids, logprobs=logprobs_msg(logprobs),
-                           worker=self.config.instance, attempt=self.attempts.get(request_id, 0), **fields)
+                           prompt_logprobs=logprobs_msg(prompt_logprobs), worker=self.config.instance,
+                           attempt=self.attempts.get(request_id, 0), **fields)
         await self.nc.publish(subjects.tokens(request_id), encode(event))
 
     async def publish_error(self, request_id: str, index: int, code: ErrorCode, message: str) -> None:
@@ -161,9 +163,10 @@ class WorkerRuntime:
     async def publish_final(self, request_id: str, index: int, token_ids: list[int], *, finish_reason: str,
                             stop_reason, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
                             timing: Timing | None, draft_tokens: int = 0, accepted_tokens: int = 0,
-                            logprobs=None) -> None:
+                            logprobs=None, prompt_logprobs=None) -> None:
         await self.publish_tokens(
-            request_id, index, token_ids, logprobs=logprobs, finished=True, finish_reason=finish_reason,
+            request_id, index, token_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs, finished=True,
+            finish_reason=finish_reason,
             stop_reason=stop_reason,
             usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached_tokens,
                         draft_tokens=draft_tokens, accepted_tokens=accepted_tokens),

@@ -9,7 +9,7 @@ import torch
 from shared.config import EngineConfig, SpecConfig
 from shared.engine.engine import LLMEngine, RequestError
 from shared.model.sampling import SamplingParams
-from tests.model_utils import contiguous_greedy, tiny_model
+from tests.model_utils import contiguous_forward, contiguous_greedy, tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
 NO_SPEC = SpecConfig(mode="off")  # for the tests that count the tokens computed per step
@@ -218,3 +218,36 @@ def test_prefix_kv_from_elsewhere_computes_only_the_rest():
     assert got["dst"] == expected.new_token_ids
     assert target.stats.tokens_computed == (45 - 32) + GREEDY.max_tokens - 1
     assert_all_blocks_released(target)
+
+
+def test_prompt_logprobs_are_the_teacher_forced_distribution_chunked_and_batched():
+    """echo + logprobs: every prompt token's log-probability given the tokens before it, from the
+    prefill's own rows — equal to a contiguous forward of each prefix, whether the prompt runs in
+    one chunk or several, alone or beside others; never served from the prefix cache."""
+    model = tiny_model()
+    engine = make_engine(model, max_num_batched_tokens=16, speculative=NO_SPEC)
+    prompt, other = prompts([40, 23], seed=5)
+    with_lp = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=3)
+    engine.add_request("plain", other, GREEDY)
+    engine.add_request("lp", prompt, with_lp)
+    outs: dict[str, list] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+        engine.pool.check_invariants()
+    firsts = [o.prompt_logprobs for o in outs["lp"]]
+    assert firsts[0] is not None and all(f is None for f in firsts[1:])  # handed out once, with token 0
+    got = firsts[0]
+    assert len(got) == len(prompt) - 1
+    for p in range(1, len(prompt)):
+        ref = torch.log_softmax(contiguous_forward(model, prompt[:p], None)[0].float(), -1)
+        assert got[p - 1].logprob == pytest.approx(ref[prompt[p]].item(), abs=2e-3), p
+        top = ref.topk(3)
+        assert got[p - 1].top_logprobs == pytest.approx(top.values.tolist(), abs=2e-3), p
+        assert got[p - 1].top_ids[0] == top.indices[0].item()
+    # the output is a plain run's; asked again (its blocks now cached), the whole prompt is recomputed
+    assert [t for o in outs["lp"] for t in o.new_token_ids] == engine.generate([prompt], GREEDY)[0].new_token_ids[:4]
+    [again] = engine.generate([prompt], with_lp)
+    assert again.num_cached_tokens == 0
+    assert [x.logprob for x in again.prompt_logprobs] == pytest.approx([x.logprob for x in got], abs=1e-4)
+    assert_all_blocks_released(engine)

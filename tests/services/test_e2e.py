@@ -206,6 +206,36 @@ def test_logprobs_and_penalties_across_the_split(disagg):
     assert got["choices"][0]["message"]["content"] == penalized.text
 
 
+def test_echo_with_logprobs_gives_the_prompts_log_likelihood(disagg):
+    """Completions echo + logprobs (what log-likelihood evaluation sends): the prompt's tokens with
+    their log-probabilities, computed in prefill and carried to the client with token 0 — equal to
+    the offline engine's, streamed and not, even when the prompt's blocks are in the prefix cache."""
+    prompt = "The quick brown fox jumps over the lazy dog because it was in a hurry to get home."
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2}
+    engine = LLMEngine.from_config(EngineConfig(num_kv_blocks=64, speculative=SpecConfig(mode="off")))
+    ids = engine.tokenizer.encode(prompt)
+    [want] = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=3, logprobs=2, prompt_logprobs=2))
+    for attempt in range(2):  # the second time, the prompt's whole blocks are cached: still every token
+        choice = httpx.post(f"{disagg}/v1/completions", json=body, timeout=60).json()["choices"][0]
+        assert choice["text"] == prompt + want.text
+        lps = choice["logprobs"]
+        assert len(lps["tokens"]) == len(ids) + 3
+        assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
+        expected = [x.logprob for x in want.prompt_logprobs] + [x.logprob for x in want.logprobs]
+        assert lps["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
+        assert all(len(top) <= 2 for top in lps["top_logprobs"][1:])
+        assert lps["text_offset"] == sorted(lps["text_offset"]) and lps["text_offset"][0] == 0
+    chunks = []
+    with httpx.stream("POST", f"{disagg}/v1/completions", json=body | {"stream": True}, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = {"tokens": [], "token_logprobs": []}
+    for c in chunks:
+        for key in streamed:
+            streamed[key] += ((c["choices"][0].get("logprobs") or {}).get(key) or [])
+    assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+    assert streamed == {key: lps[key] for key in streamed}
+
+
 def test_prefix_reuse_reports_cached_tokens(disagg):
     document = " ".join(f"Fact {i}: the number {i} squared is {i * i}." for i in range(60))  # ~900 tokens
     first = chat(disagg, document + "\nWhat is fact 3?", max_tokens=8)

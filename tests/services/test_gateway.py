@@ -896,7 +896,6 @@ BAD_REQUESTS = [
     ("top_logprobs 21", "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, {}, 400,
      "top_logprobs"),
     ("completions logprobs 21", "/v1/completions", {**COMPLETION, "logprobs": 21}, {}, 400, "logprobs"),
-    ("echo with logprobs", "/v1/completions", {**COMPLETION, "echo": True, "logprobs": 1}, {}, 400, "echo"),
     ("presence_penalty 3", "/v1/chat/completions", {**CHAT, "presence_penalty": 3}, {}, 400, "presence_penalty"),
     ("frequency_penalty -2.5", "/v1/completions", {**COMPLETION, "frequency_penalty": -2.5}, {}, 400,
      "frequency_penalty"),
