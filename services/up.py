@@ -166,7 +166,9 @@ def _start(stack: Stack, args: argparse.Namespace) -> None:
         role = "colocated" if colocated else "decode"
         stack.spawn(f"{role}-{i}", "services.decode",
                     worker + ["--role", role, "--instance", f"{role}-{i}", *share()], stage=STAGE_WORKERS)
-    gateway = conn + ["--model", model, "--host", args.host, "--port", str(args.port), "--mode", args.mode]
+    expect = {"colocated": args.decode} if colocated else {"prefill": args.prefill, "decode": args.decode, "kvstore": 1}
+    gateway = conn + ["--model", model, "--host", args.host, "--port", str(args.port), "--mode", args.mode,
+                      "--expect", ",".join(f"{role}={n}" for role, n in expect.items())]
     if args.api_key:
         gateway += ["--api-key", args.api_key]
     gateway += args.gateway_arg

@@ -47,7 +47,7 @@ class DecodeWorker(WorkerRuntime):
                                                       subjects.DECODE_DIRECT, ack_wait=c.ack_wait_s,
                                                       max_deliver=c.max_deliver)
             consumers += [(jobs, self._take_decode), (direct, self._take_whole)]
-        log.info("%s worker %s ready", c.role, c.instance)
+        self.ready()
         await asyncio.gather(*(self._pull(sub, take) for sub, take in consumers))
 
     def _room(self) -> int:

@@ -53,7 +53,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, open streams get this long to complete; then each ends with an error event")
     p.add_argument("--api-key", default=env("PDSERVE_API_KEY"))
     p.add_argument("--log-level", default=env("PDSERVE_LOG_LEVEL", defaults.log_level))
+    p.add_argument("--expect", default=env("PDSERVE_EXPECT", ""), type=_role_counts, metavar="ROLE=N,...",
+                   help="instances the deployment starts, e.g. prefill=1,decode=2,kvstore=1: /health is 503 "
+                        "(starting) until each has reported once")
     return p
+
+
+def _role_counts(text: str) -> dict[str, int]:
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        role, sep, n = part.partition("=")
+        if not sep or not n.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"expected ROLE=N, got {part!r}")
+        out[role.strip()] = int(n)
+    return out
 
 
 def _int_or_none(value: str | None) -> int | None:
@@ -69,7 +82,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         default_max_tokens=args.default_max_tokens, inactivity_timeout_s=args.inactivity_timeout, queue_timeout_s=args.queue_timeout,
         max_migrations=args.max_migrations,
         request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace, api_key=args.api_key,
-        log_level=args.log_level,
+        log_level=args.log_level, expect=args.expect,
     )
 
 

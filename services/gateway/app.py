@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 from nats.aio.client import Client as NATS
@@ -27,6 +28,8 @@ from services.gateway.workers import WorkerView
 from shared.model.hub import DEFAULT_MODEL_ID, default_model_path, resolve_model_path
 from shared.model.loader import open_checkpoint
 from shared.model.tokenizer import Tokenizer
+from shared.protocol import subjects
+from shared.protocol.messages import ResetReply, decode
 from shared.transport import nats_bus, valkey
 
 log = logging.getLogger(__name__)
@@ -64,6 +67,7 @@ class GatewayState:
     metrics: GatewayMetrics
     dispatcher: Dispatcher
     stopping: bool = False  # set when the gateway starts to shut down: new requests get 503
+    started: bool = False  # every expected instance has been heard from (config.expect)
 
     @classmethod
     async def start(cls, config: GatewayConfig) -> GatewayState:
@@ -98,6 +102,52 @@ class GatewayState:
             log.warning("NATS drain failed: %s", exc)
             await self.nc.close()
         await self.redis.aclose()
+
+    async def reset_prefix_cache(self, timeout_s: float = 5.0) -> dict:
+        """Ask every worker and kvstore to forget its cached prefixes; wait for each live one's answer
+        (503 naming those that did not answer within `timeout_s`)."""
+        expected = {(role, inst) for role, insts in (await self.workers.alive()).items() for inst in insts}
+        answered: dict[tuple[str, str], int] = {}
+        inbox = self.nc.new_inbox()
+        got_all = asyncio.Event()
+
+        async def on_reply(msg) -> None:
+            try:
+                reply = decode(msg.data, ResetReply)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("malformed reset reply dropped: %s", exc)
+                return
+            answered[(reply.role, reply.instance)] = reply.blocks
+            if expected <= answered.keys():
+                got_all.set()
+
+        sub = await self.nc.subscribe(inbox, cb=on_reply)
+        try:
+            await self.nc.publish(subjects.RESET_PREFIX_CACHE, b"", reply=inbox)
+            try:
+                await asyncio.wait_for(got_all.wait(), timeout_s)
+            except TimeoutError:
+                pass
+        finally:
+            await sub.unsubscribe()
+        missing = sorted(f"{role} {inst}" for role, inst in expected - answered.keys())
+        if missing:
+            raise service_unavailable(f"the prefix cache was reset on {len(answered)} instances, but "
+                                      f"{', '.join(missing)} did not answer within {timeout_s:g} s")
+        log.info("prefix cache reset on %d instances (%d blocks forgotten)", len(answered), sum(answered.values()))
+        return {"reset": sorted(f"{role} {inst}" for role, inst in answered),
+                "blocks_forgotten": sum(answered.values())}
+
+    async def check_started(self) -> None:
+        """503 until every instance the deployment starts (config.expect) has reported once."""
+        if self.started:
+            return
+        alive = await self.workers.alive()
+        short = [f"{role} {len(alive.get(role, []))}/{n}" for role, n in sorted(self.config.expect.items())
+                 if len(alive.get(role, [])) < n]
+        if short:
+            raise service_unavailable(f"starting: waiting for {', '.join(short)} ready", code="starting")
+        self.started = True
 
     async def require_workers(self) -> dict[str, list[str]]:
         """Live workers by role; 503 unless every role the mode needs has one, the gateway is not

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.config import ConnectionConfig
 
@@ -47,6 +47,9 @@ class GatewayConfig(ConnectionConfig):
     shutdown_grace_s: float = 10.0  # on shutdown open streams get this long, then end with an error event
 
     api_key: str | None = None  # if set, /v1/* needs "Authorization: Bearer <api_key>"
+    # instances per role the deployment starts (`pdserve up` passes them): /health says "starting"
+    # (503) until each has been heard from once; after that, one live instance of each needed role
+    expect: dict[str, int] = field(default_factory=dict)
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -69,6 +72,8 @@ class GatewayConfig(ConnectionConfig):
             raise ValueError(f"gateway config: max_model_len must be > 1, got {self.max_model_len}")
         if not self.instance:
             raise ValueError("gateway config: instance must be a non-empty name")
+        if any(n < 0 for n in self.expect.values()):
+            raise ValueError(f"gateway config: expected instance counts must be >= 0, got {self.expect}")
         if self.api_key == "":
             self.api_key = None
 

@@ -63,6 +63,7 @@ v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 async def health(request: Request) -> JSONResponse:
     state = _state(request)
     alive = await state.require_workers()
+    await state.check_started()
     return JSONResponse({"status": "ok", "mode": state.config.mode, "model": state.model.name, "workers": alive,
                          "requests_in_flight": state.admission.in_flight})
 
@@ -137,6 +138,21 @@ async def detokenize(request: Request) -> JSONResponse:
     if bad is not None:
         raise bad_request(f"token id {bad} is outside the vocabulary (size {tokenizer.vocab_size})", param="tokens")
     return JSONResponse({"prompt": tokenizer.decode(req.tokens)})
+
+
+@utility.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> JSONResponse:
+    """vLLM's: the tokenizer's configuration (special tokens, chat template), so clients that count
+    tokens (lm-evaluation-harness's `tokenizer_backend=remote`) use the server's own tokenizer."""
+    state = _state(request)
+    return JSONResponse(state.model.tokenizer.hf_config(state.model.max_model_len))
+
+
+@utility.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> JSONResponse:
+    """vLLM's: forget every cached prefix (benchmarks call it between runs), in every worker's engine
+    and every kvstore. Blocks in use stay; cached ones are no longer found. Answers with who did it."""
+    return JSONResponse(await _state(request).reset_prefix_cache())
 
 
 @router.get("/version")

@@ -40,7 +40,7 @@ from services.kvstore.shm import PoolMemory
 from shared.protocol import subjects
 from shared.protocol.messages import (
     ErrorCode, KVAllocate, KVAllocateReply, KVCommit, KVLookup, KVLookupReply, KVRead, KVReadChunk, KVRelease,
-    KVRenew, KVReply, KVStoreInfo, KVWriteChunk, decode, encode,
+    KVRenew, KVReply, KVStoreInfo, KVWriteChunk, ResetReply, decode, encode,
 )
 from shared.transport import nats_bus, valkey
 
@@ -115,6 +115,7 @@ class KVStoreService:
         for op in subjects.KV_OPS:
             handler = self._on_read if op == "read" else self._make_handler(op)
             self._subs.append(await self.nc.subscribe(subjects.kv(self.store, op), cb=handler))
+        self._subs.append(await self.nc.subscribe(subjects.RESET_PREFIX_CACHE, cb=self._on_reset))
         await self.nc.flush()  # subscriptions are live on the server before we say we are ready
         self._background = [asyncio.create_task(coro, name=f"kvstore-{name}") for name, coro in (
             ("reaper", self._reap_leases()), ("stats", self.heartbeat.run_nats()),
@@ -219,6 +220,11 @@ class KVStoreService:
             await self._respond(msg, name, encode(reply))
 
         return handle
+
+    async def _on_reset(self, msg: NatsMsg) -> None:
+        blocks = self.pool.pool.reset_prefix_cache()
+        log.info("kvstore %s: prefix cache reset (%d blocks forgotten)", self.store, blocks)
+        await self._respond(msg, "reset", encode(ResetReply(role="kvstore", instance=self.store, blocks=blocks)))
 
     async def _respond(self, msg: NatsMsg, name: str, data: bytes) -> None:
         if not msg.reply:

@@ -40,7 +40,7 @@ class PrefillWorker(WorkerRuntime):
         self.kv = await attach_kvstore(self.nc, self.config, self.engine)
         sub = await nats_bus.pull_subscription(self.js, subjects.PREFILL_STREAM, "prefill", subjects.PREFILL_JOBS,
                                                ack_wait=self.config.ack_wait_s, max_deliver=self.config.max_deliver)
-        log.info("prefill worker %s ready", self.config.instance)
+        self.ready()
         while not self.stop.is_set():
             room = self.config.max_inflight - self.inflight
             if room <= 0:

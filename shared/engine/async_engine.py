@@ -78,6 +78,13 @@ class AsyncEngine:
         self._commands.append(do_abort)
         self._wake.set()
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget the engine's cached prefixes, between steps; returns the blocks forgotten."""
+        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._commands.append(lambda: done.set_result(self.engine.pool.reset_prefix_cache()))
+        self._wake.set()
+        return await done
+
     def _submit(self, request_id: str, add: Callable[[], None]) -> RequestStream:
         stream = RequestStream(request_id)
 

@@ -126,12 +126,17 @@ class BlockPool:
         self._by_key[key] = block
         self._events.append(BlockStored(key, block))
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached, unreferenced block."""
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block: unreferenced ones are freed, those in use become private (they
+        are freed when released). Returns how many blocks were forgotten."""
+        n = len(self._by_key)
         while self._lru:
             block, _ = self._lru.popitem(last=False)
             self._evict(block)
             self._free.append(block)
+        for block in list(self._by_key.values()):
+            self._evict(block)
+        return n
 
     def take_events(self) -> list[BlockStored | BlockEvicted]:
         events, self._events = self._events, []

@@ -231,16 +231,19 @@ class Tokenizer:
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         self._backend.save(str(out / "tokenizer.json"))
+        (out / "tokenizer_config.json").write_text(json.dumps(self.hf_config(), indent=2))
+        (out / "generation_config.json").write_text(json.dumps({"eos_token_id": sorted(self.stop_token_ids)}, indent=2))
+        return [out / f for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json")]
+
+    def hf_config(self, model_max_length: int = 10**30) -> dict:
+        """tokenizer_config.json's content: special tokens, chat template (also vLLM's /tokenizer_info)."""
         name = lambda i: None if i is None else self.id_to_token(i)  # noqa: E731
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
                   "bos_token": name(self.bos_token_id), "eos_token": name(self.eos_token_id),
                   "pad_token": name(self.pad_token_id), "unk_token": name(self.unk_token_id),
-                  "model_max_length": 10**30, "add_bos_token": False, "add_eos_token": False}
-        if self.chat_template:
-            config["chat_template"] = self.chat_template
-        (out / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}, indent=2))
-        (out / "generation_config.json").write_text(json.dumps({"eos_token_id": sorted(self.stop_token_ids)}, indent=2))
-        return [out / f for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json")]
+                  "model_max_length": model_max_length, "add_bos_token": False, "add_eos_token": False,
+                  "chat_template": self.chat_template}
+        return {k: v for k, v in config.items() if v is not None}
 
     # -- use --------------------------------------------------------------------------------------
 

@@ -179,6 +179,14 @@ class WorkerStats(Msg, kw_only=True):
     ts: float = 0.0
 
 
+class ResetReply(Msg, kw_only=True):
+    """A worker's or kvstore's answer to pd.admin.reset_prefix_cache: its cached blocks are forgotten."""
+
+    role: str
+    instance: str
+    blocks: int = 0  # cached blocks forgotten
+
+
 # ------------------------------------------------------------------------------------- kvstore RPC
 
 

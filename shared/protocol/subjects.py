@@ -7,6 +7,7 @@
     pd.tokens.<rid>            core NATS: TokenEvent, gateway subscribes per request
     pd.cancel.<rid>            core NATS: Cancel, every worker listens on pd.cancel.>
     pd.stats.<role>.<inst>     core NATS: WorkerStats, the gateway aggregates for /metrics
+    pd.admin.reset_prefix_cache  core NATS request, answered by every worker and kvstore: ResetReply
     pd.kv.<store>.<op>         core NATS request/reply: kvstore control plane
                                (info, lookup, allocate, write, commit, read, release, renew, stats)
 Valkey:
@@ -24,6 +25,7 @@ DECODE_JOBS = "pd.decode.jobs"
 DECODE_DIRECT = "pd.decode.direct"
 
 CANCEL_ALL = "pd.cancel.>"
+RESET_PREFIX_CACHE = "pd.admin.reset_prefix_cache"
 STATS_ALL = "pd.stats.>"
 
 KV_OPS = ("info", "lookup", "allocate", "write", "commit", "read", "release", "renew", "stats")

@@ -16,7 +16,8 @@ from shared.engine.cores import CoreShare
 from shared.engine.engine import LLMEngine
 from shared.protocol import subjects
 from shared.protocol.convert import logprobs_msg, to_params
-from shared.protocol.messages import Cancel, ErrorCode, Timing, TokenEvent, Usage, WorkerStats, decode, encode
+from shared.protocol.messages import (Cancel, ErrorCode, ResetReply, Timing, TokenEvent, Usage, WorkerStats, decode,
+                                     encode)
 from shared.transport import nats_bus, valkey
 from shared.transport.heartbeat import heartbeat
 from shared.transport.kv_client import KVStoreClient, KVStoreError
@@ -71,8 +72,14 @@ class WorkerRuntime:
         await nats_bus.ensure_streams(self.js)
         self.redis = valkey.connect(c.redis_url, c.redis_password)
         await self.nc.subscribe(subjects.CANCEL_ALL, cb=self._on_cancel)
-        self._tasks = [asyncio.create_task(self.async_engine.run(self.stop), name="engine"),
-                       asyncio.create_task(heartbeat(self.nc, self.redis, self.stats, self.stop), name="heartbeat")]
+        await self.nc.subscribe(subjects.RESET_PREFIX_CACHE, cb=self._on_reset)
+        self._tasks = [asyncio.create_task(self.async_engine.run(self.stop), name="engine")]
+
+    def ready(self) -> None:
+        """Start heartbeating: from now on the gateway counts this worker as live (/health), so only
+        once it takes jobs (its kvstore attached, its consumers subscribed)."""
+        log.info("%s worker %s ready", self.config.role, self.config.instance)
+        self._tasks.append(asyncio.create_task(heartbeat(self.nc, self.redis, self.stats, self.stop), name="heartbeat"))
 
     async def _on_cancel(self, msg) -> None:
         try:
@@ -86,6 +93,13 @@ class WorkerRuntime:
             return  # a later attempt of the request is what this worker holds now
         self.async_engine.abort(rid)
         self.on_cancel(rid)
+
+    async def _on_reset(self, msg) -> None:
+        blocks = await self.async_engine.reset_prefix_cache()
+        log.info("prefix cache reset (%d blocks forgotten)", blocks)
+        if msg.reply:
+            reply = ResetReply(role=self.config.role, instance=self.config.instance, blocks=blocks)
+            await self.nc.publish(msg.reply, encode(reply))
 
     def on_cancel(self, request_id: str) -> None:
         """Services override to drop work that is not in the engine yet (e.g. a KV transfer)."""

@@ -251,6 +251,19 @@ def test_prefix_reuse_reports_cached_tokens(disagg):
         time.sleep(0.2)
 
 
+def test_reset_prefix_cache_forgets_every_cached_block(disagg):
+    document = " ".join(f"Note {i}: the colour of box {i} is {['red', 'blue', 'green'][i % 3]}." for i in range(30))
+    chat(disagg, document + "\nWhich colour is box 4?", max_tokens=4)
+    cached = chat(disagg, document + "\nWhich colour is box 5?", max_tokens=4)["usage"]["prompt_tokens_details"]
+    assert cached["cached_tokens"] >= 256
+    r = httpx.post(f"{disagg}/reset_prefix_cache", timeout=30)
+    assert r.status_code == 200, r.text
+    assert {name.split()[0] for name in r.json()["reset"]} == {"kvstore", "prefill", "decode"}
+    assert len(r.json()["reset"]) == 4 and r.json()["blocks_forgotten"] >= 16
+    again = chat(disagg, document + "\nWhich colour is box 6?", max_tokens=4)["usage"]["prompt_tokens_details"]
+    assert again["cached_tokens"] == 0
+
+
 def _prefill_prefix_counters(url: str) -> tuple[float, float]:
     rows = lambda name: sum(v for k, v in metric_values(url, name).items() if 'service="prefill"' in k)  # noqa: E731
     return rows("pdserve_prefix_cache_queries_total"), rows("pdserve_prefix_cache_hits_total")

@@ -30,7 +30,7 @@ from shared.model.chat_template import render_chat
 from shared.model.detokenizer import IncrementalDetokenizer
 from shared.model.tokenizer import Tokenizer
 from shared.protocol import subjects
-from shared.protocol.messages import (Cancel, ErrorCode, PrefillJob, TokenEvent, Timing, Usage, WorkerStats, decode,
+from shared.protocol.messages import (Cancel, ErrorCode, PrefillJob, ResetReply, TokenEvent, Timing, Usage, WorkerStats, decode,
                                       encode)
 from shared.transport import nats_bus, valkey
 from shared.transport.servers import free_port, wait_for_port
@@ -63,6 +63,7 @@ class ScriptedPeer:
         self.token_delay = 0.004
         self.answer_ids = tokenizer.encode(ANSWER, add_special_tokens=False)
         self.jobs: dict[str, tuple[str, PrefillJob]] = {}
+        self.resets = 0
         self.cancels: dict[str, Cancel] = {}
         self._cancelled: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self._tasks: set[asyncio.Task] = set()
@@ -77,6 +78,7 @@ class ScriptedPeer:
                 await self.js.delete_consumer(stream, durable)
         self.redis = valkey.connect(self.redis_url)
         await self.nc.subscribe(subjects.CANCEL_ALL, cb=self._on_cancel)
+        await self.nc.subscribe(subjects.RESET_PREFIX_CACHE, cb=self._on_reset)
         prefill = await nats_bus.pull_subscription(self.js, subjects.PREFILL_STREAM, "prefill", subjects.PREFILL_JOBS)
         direct = await nats_bus.pull_subscription(self.js, subjects.DECODE_STREAM, "decode-direct",
                                                   subjects.DECODE_DIRECT)
@@ -114,6 +116,11 @@ class ScriptedPeer:
         assert msg.subject == subjects.cancel(cancel.request_id)
         self.cancels[cancel.request_id] = cancel
         self._cancelled[cancel.request_id].set()
+
+    async def _on_reset(self, msg) -> None:
+        self.resets += 1
+        for role in self.roles:  # as each of its workers would answer
+            await self.nc.publish(msg.reply, encode(ResetReply(role=role, instance=f"peer-{role}", blocks=3)))
 
     # -- worker-like heartbeat: registry keys in Valkey + WorkerStats on pd.stats.<role>.<inst>
 
@@ -794,6 +801,28 @@ async def test_colocated_mode_needs_a_colocated_worker(make_gateway, nats_server
             assert p.jobs[request_id(resp.json())][0] == subjects.PREFILL_JOBS
     finally:
         await p.stop()
+
+
+async def test_health_says_starting_until_every_expected_instance_reported(make_gateway, peer):
+    gw = make_gateway(expect={"prefill": 1, "decode": 2})
+    async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+        starting = await c.get("/health")
+        assert starting.status_code == 503 and starting.json()["error"]["code"] == "starting"
+        assert "decode 1/2" in starting.json()["error"]["message"]
+    gw = make_gateway(expect={"prefill": 1, "decode": 1})
+    async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+        await until(lambda: health_status(c), 200)
+
+
+async def test_reset_prefix_cache_asks_every_worker_behind_the_api_key(make_gateway, peer):
+    gw = make_gateway(api_key="sekret")
+    async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+        await until(lambda: health_status(c), 200)
+        assert (await c.post("/reset_prefix_cache")).status_code == 401
+        resp = await c.post("/reset_prefix_cache", headers={"Authorization": "Bearer sekret"})
+        assert resp.status_code == 200, resp.text
+        assert resp.json() == {"reset": ["decode peer-decode", "prefill peer-prefill"], "blocks_forgotten": 6}
+        assert peer.resets == 1
 
 
 async def test_health_follows_workers(make_gateway, nats_server, valkey_server, tokenizer):
