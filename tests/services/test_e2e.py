@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import string
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -234,6 +236,53 @@ def test_echo_with_logprobs_gives_the_prompts_log_likelihood(disagg):
             streamed[key] += ((c["choices"][0].get("logprobs") or {}).get(key) or [])
     assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
     assert streamed == {key: lps[key] for key in streamed}
+
+
+def test_lm_evaluation_harness_scores_equal_the_offline_engines(disagg, tmp_path, monkeypatch):
+    """lm-evaluation-harness's `local-completions` model against the stack (its remote tokenizer is
+    our /tokenize + /tokenizer_info): a log-likelihood task (echo + logprobs) and a generative one,
+    both over local files; every per-sample result and both scores equal the offline engine's."""
+    import lm_eval  # a dev dependency (lm-eval[api]): imported here, as it takes seconds
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    data = Path(__file__).parents[1] / "data" / "lmeval"
+    for name in ("pdserve_capitals.yaml", "pdserve_arithmetic.yaml"):  # the data files by absolute path
+        text = (data / name).read_text().replace("test: ", f"test: {data}/")
+        (tmp_path / name).write_text(text)
+    results = lm_eval.simple_evaluate(
+        model="local-completions", tasks=["pdserve_capitals", "pdserve_arithmetic"],
+        model_args=f"base_url={disagg}/v1/completions,model={MODEL},tokenizer_backend=remote,num_concurrent=2",
+        task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True)
+
+    engine = LLMEngine.from_config(EngineConfig(num_kv_blocks=64, speculative=SpecConfig(mode="off")))
+    tok = engine.tokenizer
+    encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731  (what /tokenize gives)
+    correct = []
+    for sample in sorted(results["samples"]["pdserve_capitals"], key=lambda s: s["doc_id"]):
+        doc = sample["doc"]
+        context = f"Question: What is the capital of {doc['country']}?\nAnswer:"
+        lls = []
+        for choice, (ll, greedy) in zip(doc["choices"], sample["filtered_resps"]):
+            context_ids = encode(context)  # lm-eval's pair encoding: the whole, then split at the context
+            whole = encode(context + " " + choice)
+            [out] = engine.generate([whole], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1))
+            mine = out.prompt_logprobs[len(context_ids) - 1:]
+            assert ll == pytest.approx(sum(x.logprob for x in mine), abs=1e-3), (doc, choice)
+            assert greedy == all(x.top_ids[0] == t for x, t in zip(mine, whole[len(context_ids):]))
+            lls.append(ll)
+        correct.append(max(range(len(lls)), key=lls.__getitem__) == doc["label"])
+    assert results["results"]["pdserve_capitals"]["acc,none"] == pytest.approx(sum(correct) / len(correct))
+    assert 0 < sum(correct)  # the model knows some capitals: the scores are not noise
+
+    norm = lambda text: text.lower().translate(str.maketrans("", "", string.punctuation))  # noqa: E731
+    matches = []
+    for sample in results["samples"]["pdserve_arithmetic"]:
+        doc = sample["doc"]
+        [out] = engine.generate([encode(doc["question"])], SamplingParams(temperature=0.0, max_tokens=8, stop=["\n"]))
+        assert sample["filtered_resps"][0] == out.text
+        matches.append(norm(out.text) == norm(doc["answer"]))
+    assert results["results"]["pdserve_arithmetic"]["exact_match,none"] == pytest.approx(sum(matches) / len(matches))
 
 
 def test_prefix_reuse_reports_cached_tokens(disagg):
