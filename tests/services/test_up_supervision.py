@@ -309,10 +309,17 @@ def test_sigterm_to_up_under_load_ends_every_stream_and_leaves_no_orphan(stack):
     short = Streams(stack.url, [f"Name a color, number {i}." for i in range(2)], 8)
     long = Streams(stack.url, [f"Write a long essay about the color number {i}." for i in range(2)], 1000)
     assert short.started.wait(60) and long.started.wait(60)
+    logs = sorted(stack.workdir.glob("*.log"))
+    before = {p: p.stat().st_size for p in logs}
     t0 = time.monotonic()
     stack.proc.send_signal(signal.SIGTERM)
     assert stack.proc.wait(90) == 0, stack.log()[-3000:]
     stop_s = time.monotonic() - t0
+    for path in logs:  # an orderly stop: no service logs a traceback on its way out
+        with open(path, "rb") as f:
+            f.seek(before[path])
+            written = f.read().decode(errors="replace")
+        assert "Traceback" not in written and "never retrieved" not in written, (path.name, written[-3000:])
     for i, outcome in short.join(30).items():
         assert outcome.kind == "completed", (i, outcome)
     for i, outcome in long.join(30).items():
