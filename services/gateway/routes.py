@@ -222,16 +222,10 @@ async def _generate(request: Request, schema: type[schemas.GenerationRequest], k
             channels.append(await state.dispatcher.open(rid, prepared.prompt_ids, seeded,
                                                         after=channels[0] if i else None))
         ticket.dispatched()
-    except APIError as exc:
+    except BaseException as exc:
         ticket.release()
-        state.metrics.count(_outcome(exc))
-        for channel in channels:
-            await channel.close("the request failed")
-        raise
-    except BaseException:
-        ticket.release()
-        state.metrics.count("error")
-        for channel in channels:
+        state.metrics.count(_outcome(exc) if isinstance(exc, APIError) else "error")
+        for channel in channels:  # choices already published (n > 1) are cancelled
             await channel.close("the request failed")
         raise
 

@@ -96,12 +96,7 @@ def _usage_so_far(generations: list[Generation], usages: list[Usage | None]) -> 
 
 
 async def _interleave(generations: list[Generation]) -> AsyncIterator[tuple[Generation, Step]]:
-    """Every choice's steps as they come; the first error (APIError) ends them all."""
-    if len(generations) == 1:
-        async with aclosing(generations[0].steps()) as steps:
-            async for step in steps:
-                yield generations[0], step
-        return
+    """Every choice's steps as they come (a task per choice); the first error ends them all."""
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
@@ -111,7 +106,7 @@ async def _interleave(generations: list[Generation]) -> AsyncIterator[tuple[Gene
                 async for step in steps:
                     queue.put_nowait((g, step))
             queue.put_nowait((g, done))
-        except APIError as exc:
+        except Exception as exc:  # an APIError, or a bug: either way the consumer must hear of it
             queue.put_nowait((g, exc))
 
     tasks = [asyncio.create_task(pump(g)) for g in generations]
@@ -121,7 +116,7 @@ async def _interleave(generations: list[Generation]) -> AsyncIterator[tuple[Gene
             g, item = await queue.get()
             if item is done:
                 running -= 1
-            elif isinstance(item, APIError):
+            elif isinstance(item, Exception):
                 raise item
             else:
                 yield g, item
