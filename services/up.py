@@ -44,6 +44,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=env("PDSERVE_DTYPE", "float32"), help="activations (see `pdserve decode --help`)")
     p.add_argument("--quantization", default=env("PDSERVE_QUANTIZATION", "auto"), choices=["auto", "none"])
     p.add_argument("--kv-dtype", default=env("PDSERVE_KV_DTYPE", "bfloat16"), help="KV cache and KV block dtype")
+    p.add_argument("--device", default=env("PDSERVE_DEVICE", "cpu"),
+                   help="every engine's device: cpu, or cuda (dense weights in --dtype, e.g. bfloat16; all "
+                        "engines share the one GPU)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per engine worker (default: the cores divided among them); an idle "
                         "worker lends its threads to the busy ones")
@@ -141,7 +144,7 @@ def _start(stack: Stack, args: argparse.Namespace) -> None:
     conn = ["--nats", nats_url, "--redis", redis_url, *auth]
     store = f"kv-up-{os.getpid()}"
     model_args = ["--model", model, "--dtype", args.dtype, "--quantization", args.quantization,
-                  "--kv-dtype", args.kv_dtype, *speculative_argv(args)]
+                  "--kv-dtype", args.kv_dtype, "--device", args.device, *speculative_argv(args)]
     colocated = args.mode == "colocated"
     n_engines = args.decode + (0 if colocated else args.prefill)
     threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, n_engines))
@@ -178,7 +181,7 @@ def _start(stack: Stack, args: argparse.Namespace) -> None:
 def _build_cpu_extension(args: argparse.Namespace) -> None:
     """Build (or load from its cache) the CPU kernels once, before the workers start, and say what
     a cold start cost: the workers then load it in milliseconds instead of racing to build it."""
-    if args.quantization != "auto":
+    if args.quantization != "auto" or args.device != "cpu":
         return
     from shared.kernels import cpu_ext
 
