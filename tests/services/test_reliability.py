@@ -111,7 +111,10 @@ BAD_INPUTS = [
     ("prompt a dict", "POST", "/v1/completions", {**COMPLETION, "prompt": {"text": "hi"}}, {}, 400, "prompt"),
     ("stop too many", "POST", "/v1/completions", {**COMPLETION, "stop": list("abcdefg")}, {}, 400, "stop"),
     ("unknown model", "POST", "/v1/completions", {**COMPLETION, "model": "llama-70b"}, {}, 404, "llama-70b"),
-    ("n = 3", "POST", "/v1/chat/completions", {**CHAT, "n": 3}, {}, 400, "n"),
+    ("n above the limit", "POST", "/v1/chat/completions", {**CHAT, "n": 17}, {}, 400, "n"),
+    ("best_of below n", "POST", "/v1/completions", {**COMPLETION, "n": 3, "best_of": 2}, {}, 400, "best_of"),
+    ("best_of streamed", "POST", "/v1/completions", {**COMPLETION, "n": 1, "best_of": 2, "stream": True}, {}, 400,
+     "best_of"),
     ("unknown route", "POST", "/v1/embeddings", COMPLETION, {}, 404, ""),
     ("wrong method", "GET", "/v1/chat/completions", None, {}, 405, ""),
 ]
