@@ -26,6 +26,7 @@ from shared.kvcache.block_pool import BlockPool
 from shared.kvcache.kv_cache import KVCache
 from shared.kvcache.kv_cache_manager import KVCacheManager
 from shared.model.detokenizer import IncrementalDetokenizer
+from shared.model.grammar import GrammarCompiler, GrammarError
 from shared.model.hub import resolve_model_path
 from shared.model.llama import LlamaModel, load_model
 from shared.model.sampling import History, SamplingParams, TokenLogprobs, prompt_logprobs, sample
@@ -89,6 +90,7 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._sent: dict[str, int] = {}  # characters of text already returned
         self.spec = self._speculator(draft_model)
+        self._grammar: GrammarCompiler | None = None  # structured output, built on first use
 
     def _speculator(self, draft_model: LlamaModel | None) -> Speculator | None:
         spec = self.config.speculative
@@ -141,6 +143,7 @@ class LLMEngine:
         `num_resumed`: output tokens streamed before (a migrated request), for seeded sampling."""
         seq = self._new_sequence(request_id, prompt_ids, params)
         seq.prefill_only, seq.num_resumed = prefill_only, num_resumed
+        self._start_constraint(seq)
         if prefix_kv is not None and prefix_kv.shape[0] > 0:
             n_tokens = prefix_kv.shape[0] * self.config.block_size
             if n_tokens >= len(prompt_ids):
@@ -157,6 +160,7 @@ class LLMEngine:
         token come from a prefill worker. Raises MemoryError when the blocks don't fit now."""
         seq = self._new_sequence(request_id, prompt_ids, params)
         seq.num_resumed, seq.num_cached_tokens = num_resumed, num_cached_tokens
+        self._start_constraint(seq)
         if kv_blocks.shape[0] != -(-len(prompt_ids) // self.config.block_size):
             self.seqs.pop(request_id)
             raise RequestError(f"request {request_id}: {kv_blocks.shape[0]} KV blocks for a {len(prompt_ids)}-token prompt")
@@ -165,6 +169,26 @@ class LLMEngine:
         if not seq.is_finished:
             self.scheduler.add(seq)
         return seq
+
+    def _start_constraint(self, seq: Sequence) -> None:
+        """Structured output: the sequence's matcher, advanced past the tokens a migrated request
+        already streamed (they are the tail of its prompt here); RequestError for a bad constraint."""
+        constraint = seq.params.constraint
+        if constraint is None:
+            return
+        try:
+            if self.tokenizer is None:
+                raise GrammarError("structured output needs the model's tokenizer")
+            if self._grammar is None:
+                self._grammar = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
+            seq.matcher = self._grammar.matcher(constraint)
+            resumed = seq.prompt_ids[len(seq.prompt_ids) - seq.num_resumed:]
+            if resumed and not seq.matcher.accept_all(resumed):
+                raise GrammarError(f"the tokens already generated do not match the constraint: {seq.matcher.error}")
+        except GrammarError as exc:
+            self.seqs.pop(seq.request_id, None)
+            self._forget(seq.request_id)
+            raise RequestError(f"request {seq.request_id}: {exc}") from None
 
     def _import_kv(self, seq: Sequence, blocks: torch.Tensor, num_tokens: int) -> None:
         """Give `seq` blocks holding the KV of its first `num_tokens` tokens, copied from `blocks`."""
@@ -274,9 +298,11 @@ class LLMEngine:
         for i, seq, p in zip(decoding, seqs, self.spec.propose(seqs, rows, budget, max_k)):
             if p is None:
                 continue
-            if self.kv.allocate_slots(seq, 1 + len(p.tokens)):
+            if seq.matcher is not None:  # what the grammar forbids could never be accepted: not verified
+                p.tokens = p.tokens[:seq.matcher.valid_prefix(p.tokens)]
+            if p.tokens and self.kv.allocate_slots(seq, 1 + len(p.tokens)):
                 out[i] = p
-            else:  # no blocks for its rows: it decodes one token, as without speculation
+            else:  # nothing to verify, or no blocks for its rows: it decodes one token, as without speculation
                 self.spec.discard(seq)
         return out
 
@@ -326,6 +352,8 @@ class LLMEngine:
         r = 0
         for seq, proposed in rows:
             p = seq.params
+            if seq.matcher is not None:
+                self._mask_grammar(seq.matcher, logits[r:r + len(proposed) + 1], proposed)
             if p.penalized:  # a migrated request's resumed tokens are output, not prompt
                 cut = len(seq.prompt_ids) - seq.num_resumed
                 prompt, output = seq.prompt_ids[:cut], seq.prompt_ids[cut:] + seq.output_ids
@@ -339,6 +367,17 @@ class LLMEngine:
                 histories.append(History(prompt, output + proposed[:j]) if p.penalized else None)
                 r += 1
         return sample(logits, params, positions, histories)
+
+    @staticmethod
+    def _mask_grammar(matcher, logits: torch.Tensor, proposed: list[int]) -> None:
+        """Forbid in row j what the grammar forbids after the first j proposals (rows after a
+        proposal the grammar rejects are not masked: they cannot be kept)."""
+        valid = matcher.valid_prefix(proposed) if proposed else 0
+        for j in range(valid + 1):
+            logits[j].masked_fill_(~matcher.allowed(), float("-inf"))
+            if j < valid:
+                matcher.accept(proposed[j])
+        matcher.rollback(valid)
 
     def _accept(self, seq: Sequence, proposal: Proposal | None, sampled: list[int],
                 logprobs: list[TokenLogprobs | None]) -> RequestOutput:
@@ -378,6 +417,13 @@ class LLMEngine:
         delta = detok.push(token) if detok is not None else ""
         seq.text += delta
         reason = self.stop_checker.check(seq, len(delta))
+        if seq.matcher is not None and reason is None:
+            if not seq.matcher.accept(token):  # only a token sampled without the mask gets here
+                log.warning("request %s: token %d does not match its constraint: %s", seq.request_id, token,
+                            seq.matcher.error)
+                reason = FinishReason.STOP
+            elif seq.matcher.done:  # the text is complete: only end-of-text could follow
+                reason = FinishReason.STOP
         if reason is None and seq.prefill_only:
             reason = FinishReason.PREFILLED
         return reason

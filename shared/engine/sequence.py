@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.engine.speculative import SeqSpec
 from shared.kvcache.block_hash import BlockKey
@@ -46,6 +47,7 @@ class Sequence:
     # params.prompt_logprobs: [p - 1] for prompt token p ≥ 1, filled in as the prompt's chunks run;
     # handed out with the first output, then None
     prompt_logprobs: list | None = None
+    matcher: Any = None  # structured output: a shared.model.grammar.Matcher (None: free text)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
