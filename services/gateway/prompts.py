@@ -14,7 +14,10 @@ from typing import Any
 
 from services.gateway.errors import APIError, bad_request
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
-from shared.model.chat_template import ROLES, ChatTemplateError, render_chat
+from services.gateway.structured import checked_constraint
+from services.gateway.tools import ToolRequest, hermes_messages, parse_tools
+from shared.model.chat_template import ROLES, ChatTemplateError, render_chat, template_variables
+from shared.model.grammar import GrammarCompiler
 from shared.model.tokenizer import Tokenizer
 from shared.protocol.messages import SamplingMsg
 
@@ -28,6 +31,14 @@ class ModelInfo:
     tokenizer: Tokenizer
     aliases: frozenset[str] = frozenset()  # other names requests may use (file name, path as given)
     created: int = field(default_factory=lambda: int(time.time()))  # unix time it was loaded
+    _grammar: GrammarCompiler | None = field(default=None, repr=False)
+
+    @property
+    def grammar(self) -> GrammarCompiler:
+        """Structured output's compiler over this model's vocabulary (indexed on first use)."""
+        if self._grammar is None:
+            self._grammar = GrammarCompiler(self.tokenizer)
+        return self._grammar
 
 
 @dataclass
@@ -40,6 +51,7 @@ class PreparedRequest:
     echo: str = ""  # completions' echo: the prompt's text
     num_choices: int = 1  # n
     num_candidates: int = 1  # best_of: generated; the num_choices most likely are returned
+    tools: ToolRequest | None = None  # chat with tools: the output is parsed for tool calls
 
 
 def check_model(requested: str | None, model: ModelInfo) -> None:
@@ -48,8 +60,9 @@ def check_model(requested: str | None, model: ModelInfo) -> None:
                        param="model", code="model_not_found")
 
 
-def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """OpenAI message objects → plain {role, content: str} dicts the template expects."""
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI message objects → {role, content: str} dicts the template expects (plus an assistant's
+    `tool_calls` and a tool result's `tool_call_id`, checked)."""
     if not messages:
         raise bad_request("'messages' is empty: a chat needs at least one message", param="messages")
     out = []
@@ -59,8 +72,27 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
         if role not in ROLES:
             raise bad_request(f"'messages[{i}].role' is {role!r}; expected one of {sorted(ROLES | set(_ROLE_ALIASES))}",
                               param="messages")
+        calls = message.get("tool_calls") if role == "assistant" else None
+        if calls is not None:
+            out.append({"role": role, "content": _content_text(message.get("content") or "", i),
+                        "tool_calls": _tool_calls(calls, i)})
+            continue
         out.append({"role": role, "content": _content_text(message.get("content"), i)})
+        if role == "tool" and isinstance(message.get("tool_call_id"), str):
+            out[-1]["tool_call_id"] = message["tool_call_id"]
     return out
+
+
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise bad_request(f"'messages[{i}].tool_calls' must be a list", param="messages")
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments", ""), (str, dict)):
+            raise bad_request(f"'messages[{i}].tool_calls[{j}]' must be {{'id', 'type': 'function', 'function': "
+                              "{'name': <string>, 'arguments': <JSON string>}}", param="messages")
+    return calls
 
 
 def _content_text(content: Any, i: int) -> str:
@@ -78,10 +110,19 @@ def _content_text(content: Any, i: int) -> str:
                       f"{type(content).__name__}", param="messages")
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: ToolRequest | None = None
+                    ) -> list[int]:
+    """The conversation rendered with the model's template: tools through its `tools` variable where
+    it has one, else in the Hermes convention (services/gateway/tools.py)."""
+    extra: dict[str, Any] = {}
+    if "tools" in template_variables(tokenizer.chat_template):
+        if tools is not None and tools.choice != "none":
+            extra["tools"] = tools.tools
+    elif tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        messages = hermes_messages(messages, tools)
     try:
         text = render_chat(tokenizer.chat_template, messages, add_generation_prompt=True,
-                           bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "")
+                           bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "", **extra)
     except (ChatTemplateError, ValueError) as exc:
         raise bad_request(str(exc), param="messages") from None
     return tokenizer.encode(text, add_special_tokens=False)
@@ -162,15 +203,19 @@ async def prepare(req: CompletionRequest | ChatCompletionRequest, model: ModelIn
     if (err := req.unsupported_param()) is not None:
         raise err
     tokenizer = model.tokenizer
+    tools = None
     if isinstance(req, ChatCompletionRequest):
         messages = normalize_messages(req.messages)
-        prompt_ids = await asyncio.to_thread(chat_prompt_ids, tokenizer, messages)
+        tools = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        prompt_ids = await asyncio.to_thread(chat_prompt_ids, tokenizer, messages, tools)
         requested = req.requested_max_tokens
     else:
         prompt_ids = await asyncio.to_thread(completion_prompt_ids, tokenizer, req.prompt)
         requested = req.max_tokens
     max_tokens = resolve_max_tokens(len(prompt_ids), requested, model.max_model_len, default_max_tokens)
     params = sampling_msg(req, max_tokens, tokenizer.vocab_size)
+    forced = tools.constraint() if tools is not None else None
+    params.constraint = await asyncio.to_thread(checked_constraint, req, model.grammar, forced)
     echo = ""
     if isinstance(req, CompletionRequest) and req.echo:
         prompt = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) \
@@ -178,4 +223,4 @@ async def prepare(req: CompletionRequest | ChatCompletionRequest, model: ModelIn
         echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
     return PreparedRequest(prompt_ids, params, stream=bool(req.stream), include_usage=req.include_usage,
                            continuous_usage=req.continuous_usage, echo=echo, num_choices=req.num_choices,
-                           num_candidates=req.num_candidates)
+                           num_candidates=req.num_candidates, tools=tools)

@@ -6,6 +6,8 @@
     include_usage:          one more chunk with "choices": [] and "usage"
     continuous_usage_stats: "usage" (the tokens so far) in every chunk too (vLLM's extension)
     logprobs:               each choice's "logprobs" holds those of the tokens its text came from
+    tools:                  message {"content": text outside calls or null, "tool_calls": [...]},
+                            finish_reason "tool_calls"; streamed as delta {"tool_calls": [...]}
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.logprobs import LogprobFormat
+from services.gateway.tools import ToolRequest, split_message
 from shared.protocol.messages import Usage
 
 
@@ -28,6 +31,7 @@ class ResponseMeta:
     logprobs: LogprobFormat | None = None  # where the request asked for them
     echo: str = ""  # completions' echo: the prompt's text, before the first text
     continuous_usage: bool = False
+    tools: ToolRequest | None = None  # chat with tools: each choice's text is parsed for tool calls
 
     @property
     def id(self) -> str:
@@ -75,6 +79,20 @@ def text_chunk(meta: ResponseMeta, text: str, finish_reason: str | None = None,
     return chunk
 
 
+def tool_chunk(meta: ResponseMeta, calls: list[dict[str, Any]], logprobs: dict[str, Any] | None = None,
+               usage: Usage | None = None, index: int = 0) -> dict[str, Any]:
+    chunk = meta.envelope(meta.chunk_object, [{"index": index, "delta": {"tool_calls": calls}, "logprobs": logprobs,
+                                               "finish_reason": None}])
+    if usage is not None:
+        chunk["usage"] = usage_dict(usage)
+    return chunk
+
+
+def finish_reason_of(reason: str, has_calls: bool) -> str:
+    """OpenAI's "tool_calls" where a choice that ended by itself called tools."""
+    return "tool_calls" if has_calls and reason == "stop" else reason
+
+
 def usage_chunk(meta: ResponseMeta, usage: Usage) -> dict[str, Any]:
     chunk = meta.envelope(meta.chunk_object, [])
     chunk["usage"] = usage_dict(usage)
@@ -104,8 +122,13 @@ def full_response(meta: ResponseMeta, choices: list[ChoiceResult], usage: Usage)
     out = []
     for index, c in enumerate(choices):
         if meta.kind == "chat":
-            out.append({"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": c.logprobs,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            calls: list[dict[str, Any]] = []
+            if meta.tools is not None:
+                message["content"], calls = split_message(meta.tools, c.text)
+                message["tool_calls"] = calls
+            out.append({"index": index, "message": message, "logprobs": c.logprobs,
+                        "finish_reason": finish_reason_of(c.finish_reason, bool(calls)), "stop_reason": c.stop_reason})
         else:
             out.append({"index": index, "text": meta.echo + c.text, "logprobs": c.logprobs,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})

@@ -25,6 +25,7 @@ from services.gateway.logprobs import LogprobFormat
 from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.output import OutputText
 from services.gateway.prompts import chat_prompt_ids, check_model, normalize_messages, prepare
+from services.gateway.tools import parse_tools
 from services.gateway.responses import ResponseMeta
 from services.gateway.streaming import CLIENT_GONE, SSEResponse, collect, sse_body
 
@@ -121,7 +122,7 @@ async def tokenize(request: Request) -> JSONResponse:
         if req.add_special_tokens:
             raise bad_request("'add_special_tokens' with 'messages': the chat template writes them",
                               param="add_special_tokens")
-        ids = chat_prompt_ids(tokenizer, normalize_messages(req.messages))
+        ids = chat_prompt_ids(tokenizer, normalize_messages(req.messages), parse_tools(req.tools, None, None))
     else:
         ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
     body: dict[str, Any] = {"count": len(ids), "max_model_len": state.model.max_model_len, "tokens": ids}
@@ -238,6 +239,7 @@ async def _generate(request: Request, schema: type[schemas.GenerationRequest], k
         for i, channel in enumerate(channels)]
     request.scope.setdefault("state", {})["generations"] = generations  # for the access log
     meta = ResponseMeta(kind, request_id, state.model.name, echo=prepared.echo, continuous_usage=prepared.continuous_usage,
+                        tools=prepared.tools,
                         logprobs=LogprobFormat(tokenizer, kind) if params.logprobs is not None else None)
     log.debug("request %s: %d prompt tokens, max_tokens %d, n %d, stream=%s", request_id, len(prepared.prompt_ids),
               params.max_tokens, len(generations), prepared.stream)

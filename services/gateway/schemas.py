@@ -52,6 +52,13 @@ class GenerationRequest(_Strict):
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)  # vLLM extension
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM extension
+    # structured output (services/gateway/structured.py): OpenAI's response_format, vLLM's extensions
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -142,10 +149,10 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
+    tools: Any = None  # checked in services/gateway/tools.py, for errors that name the problem
     tool_choice: Any = None
+    parallel_tool_calls: Any = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     @property
     def num_logprobs(self) -> int | None:
@@ -154,12 +161,8 @@ class ChatCompletionRequest(GenerationRequest):
     def unsupported_param(self) -> APIError | None:
         if self.top_logprobs and not self.logprobs:
             return bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-        if self.tools or self.functions:
-            return unsupported("tools" if self.tools else "functions")
-        if self.tool_choice not in (None, "none", "auto"):
-            return unsupported("tool_choice")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            return unsupported("response_format", "other than {'type': 'text'} is not supported by this server")
+        if self.functions:
+            return unsupported("functions", "(deprecated) is not supported; use 'tools'")
         return super().unsupported_param()
 
     @property
@@ -173,6 +176,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    tools: Any = None  # rendered with the messages, as a chat request renders them
     add_special_tokens: bool | None = None  # default: yes for a prompt, no for messages (the template has them)
     return_token_strs: bool | None = False
 

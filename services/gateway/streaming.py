@@ -19,8 +19,9 @@ from starlette.types import Receive, Scope, Send
 from services.gateway import logprobs as lp
 from services.gateway.errors import APIError
 from services.gateway.generation import Generation, Step
-from services.gateway.responses import (SSE_DONE, ChoiceResult, ResponseMeta, full_response, role_chunk, sse,
-                                        text_chunk, total_usage, usage_chunk)
+from services.gateway.responses import (SSE_DONE, ChoiceResult, ResponseMeta, finish_reason_of, full_response,
+                                        role_chunk, sse, text_chunk, tool_chunk, total_usage, usage_chunk)
+from services.gateway.tools import ToolCallParser
 from shared.protocol.messages import Usage
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ async def sse_body(generations: list[Generation], meta: ResponseMeta, include_us
     follows the last choice's end. An error mid-way is sent as `data: {"error": ...}` followed by
     [DONE]. Closing the generations is always the last act."""
     formats = _formats(meta, len(generations))
+    parsers = [meta.tools.parser() if meta.tools is not None else None for _ in generations]
     usages: list[Usage | None] = [None] * len(generations)  # each choice's final usage, once it has ended
     echo_later = bool(meta.echo) and meta.logprobs is not None  # with the prompt's log-probabilities
     try:
@@ -69,7 +71,7 @@ async def sse_body(generations: list[Generation], meta: ResponseMeta, include_us
                 if step.usage is not None:
                     usages[g.index] = step.usage
                 so_far = _usage_so_far(generations, usages) if meta.continuous_usage else None
-                for chunk in _step_chunks(meta, g.index, formats[g.index], step, so_far):
+                for chunk in _step_chunks(meta, g.index, formats[g.index], step, so_far, parsers[g.index]):
                     yield sse(chunk)
             if include_usage and all(u is not None for u in usages):
                 yield sse(usage_chunk(meta, total_usage(usages)))
@@ -131,15 +133,26 @@ async def _close_all(generations: list[Generation]) -> None:
 
 
 def _step_chunks(meta: ResponseMeta, index: int, formatter: lp.LogprobFormat | None, step: Step,
-                 so_far: Usage | None) -> list[dict]:
+                 so_far: Usage | None, parser: ToolCallParser | None = None) -> list[dict]:
+    """A step's chunks: its text (with tools: the content outside tool calls, and each call as it
+    is complete), then the finish; log-probabilities ride on the first chunk."""
     chunks = []
     logprobs = formatter.format(step.logprobs) if formatter is not None else None
-    if step.text:
-        chunks.append(text_chunk(meta, step.text, logprobs=logprobs, usage=so_far, index=index))
+    text, calls = parser.push(step.text) if parser is not None else (step.text, [])
+    if step.finish_reason is not None and parser is not None:
+        rest, more = parser.finish()
+        text, calls = text + rest, calls + more
+    if text:
+        chunks.append(text_chunk(meta, text, logprobs=logprobs, usage=so_far, index=index))
+        logprobs = None
+    if calls:
+        chunks.append(tool_chunk(meta, calls, logprobs=logprobs, usage=so_far, index=index))
         logprobs = None
     if step.finish_reason is not None:  # with the log-probabilities of tokens that made no text (EOS)
-        chunks.append(text_chunk(meta, "", step.finish_reason, step.stop_reason, logprobs=logprobs, usage=so_far,
-                                 index=index))
+        reason = finish_reason_of(step.finish_reason, bool(parser is not None and parser.calls))
+        chunks.append(text_chunk(meta, "", reason, step.stop_reason, logprobs=logprobs, usage=so_far, index=index))
+    elif logprobs is not None and parser is not None:  # text held back (a tool call forming): not its log-probs
+        chunks.append(text_chunk(meta, "", logprobs=logprobs, usage=so_far, index=index))
     return chunks
 
 

@@ -77,9 +77,16 @@ def _constraint(kind: str, value: Any, name: str) -> Constraint:
     return Constraint(kind, value)
 
 
-def checked_constraint(req: Any, compiler: GrammarCompiler) -> ConstraintMsg | None:
-    """The request's constraint compiled once against the model's vocabulary (400 naming the error)."""
+def checked_constraint(req: Any, compiler: GrammarCompiler, tool_constraint: Constraint | None = None
+                       ) -> ConstraintMsg | None:
+    """The request's constraint compiled once against the model's vocabulary (400 naming the error);
+    `tool_constraint`: what a forced tool_choice makes the model write."""
     found = request_constraint(req)
+    if tool_constraint is not None:
+        if found is not None:
+            raise bad_request(f"'{found[0]}' cannot be combined with a tool_choice that forces a call",
+                              param=found[0])
+        found = ("tools", tool_constraint)
     if found is None:
         return None
     field, c = found

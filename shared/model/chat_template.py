@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import Any
 
 import jinja2
+import jinja2.meta as jinja2meta
 from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -115,15 +116,31 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-@functools.lru_cache(maxsize=16)  # a server renders the same one or two templates for every request
-def _compile(template: str) -> jinja2.Template:
+@functools.lru_cache(maxsize=16)
+def template_variables(template: str | None) -> frozenset[str]:
+    """The variables a template reads (e.g. whether it takes `tools`)."""
+    if template is None:
+        template = CHATML_TEMPLATE
+    try:
+        return frozenset(jinja2meta.find_undeclared_variables(_environment().parse(template)))
+    except jinja2.TemplateSyntaxError:
+        return frozenset()
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@functools.lru_cache(maxsize=16)  # a server renders the same one or two templates for every request
+def _compile(template: str) -> jinja2.Template:
     try:
-        return env.from_string(template)
+        return _environment().from_string(template)
     except jinja2.TemplateSyntaxError as exc:
         raise ChatTemplateError(f"chat template does not compile (line {exc.lineno}): {exc.message}") from exc

@@ -18,7 +18,7 @@ from services.up import add_up_args, start_stack, wait_healthy
 from shared.config import EngineConfig, SpecConfig
 from shared.engine.engine import LLMEngine
 from shared.model.chat_template import render_chat
-from shared.model.sampling import SamplingParams
+from shared.model.sampling import Constraint, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -161,6 +161,114 @@ def test_openai_client_unmodified(disagg):
     comp = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert comp.choices[0].text.strip()
     assert [m.id for m in client.models.list().data]
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "hobbies"],
+          "properties": {"name": {"type": "string", "maxLength": 20},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3}}}
+
+
+def test_structured_output_across_the_split_with_the_openai_client(disagg):
+    """response_format json_schema / json_object and vLLM's guided_* through the official client:
+    prefill samples token 0 under the grammar, decode continues it; streamed = not streamed = the
+    offline engine; a schema that does not compile is a 400 naming it."""
+    openai = pytest.importorskip("openai")
+    jsonschema = pytest.importorskip("jsonschema")
+    client = openai.OpenAI(base_url=f"{disagg}/v1", api_key="unused")
+    ask = [{"role": "user", "content": "Describe a person as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    resp = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=120, temperature=0,
+                                          response_format=fmt)
+    text = resp.choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+    assert resp.choices[0].finish_reason == "stop"
+    assert text == offline(ask[0]["content"], max_tokens=120,
+                           constraint=Constraint("json", json.dumps(PERSON))).text
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=ask, max_tokens=120, temperature=0, response_format=fmt, stream=True) if c.choices)
+    assert streamed == text
+    seeded = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=120, temperature=1.0, seed=5,
+                                            response_format={"type": "json_object"})
+    assert isinstance(json.loads(seeded.choices[0].message.content), dict)
+    phone = client.completions.create(model=MODEL, prompt="Call me at", max_tokens=20, temperature=0.9, seed=2,
+                                      extra_body={"guided_regex": r" [0-9]{3}-[0-9]{4}"})
+    assert re.fullmatch(r" [0-9]{3}-[0-9]{4}", phone.choices[0].text)
+    pick = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                          max_tokens=8, temperature=0,
+                                          extra_body={"guided_choice": ["Paris", "Lyon", "Nice"]})
+    assert pick.choices[0].message.content in ("Paris", "Lyon", "Nice")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=ask, max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "strnig"}}})
+    assert "strnig" in str(err.value)
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "description": "The time in a timezone",
+                                              "parameters": {"type": "object", "additionalProperties": False,
+                                                             "required": ["tz"],
+                                                             "properties": {"tz": {"type": "string", "maxLength": 30}}}}}
+
+
+def test_tools_with_the_openai_client(disagg):
+    """tools + tool_choice through the official client: a named function forces its arguments'
+    schema, "required" forces a call of one of the tools, "auto" is parsed the same streamed or not,
+    and a conversation with a tool result goes on."""
+    openai = pytest.importorskip("openai")
+    jsonschema = pytest.importorskip("jsonschema")
+    client = openai.OpenAI(base_url=f"{disagg}/v1", api_key="unused")
+    ask = [{"role": "user", "content": "What is the weather like in Paris?"}]
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    resp = client.chat.completions.create(model=MODEL, messages=ask, tools=tools, tool_choice=named,
+                                          max_tokens=60, temperature=0)
+    choice = resp.choices[0]
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and choice.finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+    args, names = "", []
+    for chunk in client.chat.completions.create(model=MODEL, messages=ask, tools=tools, tool_choice=named,
+                                                max_tokens=60, temperature=0, stream=True):
+        for delta_call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            names += [delta_call.function.name] if delta_call.function.name else []
+            args += delta_call.function.arguments or ""
+    assert names == ["get_weather"] and args == call.function.arguments
+
+    required = client.chat.completions.create(model=MODEL, messages=ask, tools=tools, tool_choice="required",
+                                              max_tokens=80, temperature=0)
+    calls = required.choices[0].message.tool_calls
+    assert calls and required.choices[0].finish_reason == "tool_calls"
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), by_name[c.function.name])
+
+    auto = client.chat.completions.create(model=MODEL, messages=ask, tools=tools, max_tokens=60, temperature=0)
+    streamed_text, streamed_calls = "", {}
+    for chunk in client.chat.completions.create(model=MODEL, messages=ask, tools=tools, max_tokens=60,
+                                                temperature=0, stream=True):
+        if chunk.choices:
+            streamed_text += chunk.choices[0].delta.content or ""
+            for c in chunk.choices[0].delta.tool_calls or []:
+                streamed_calls[c.index] = (c.function.name, c.function.arguments)
+    message = auto.choices[0].message
+    assert streamed_text.strip() == (message.content or "").strip()
+    assert list(streamed_calls.values()) == [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+
+    history = ask + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                         "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "clear"}'}]
+    answer = client.chat.completions.create(model=MODEL, messages=history, tools=tools, tool_choice="none",
+                                            max_tokens=40, temperature=0)
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=ask, tools=tools, max_tokens=8,
+                                       tool_choice={"type": "function", "function": {"name": "get_stock"}})
+    assert "get_stock" in str(err.value)
 
 
 def test_logprobs_and_penalties_across_the_split(disagg):

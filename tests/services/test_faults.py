@@ -182,9 +182,12 @@ def test_hung_decode_worker_is_treated_as_dead_and_frees_its_blocks_when_it_wake
     blocks, heartbeats again and serves new requests; nothing is left in use anywhere."""
     stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "2", "--gateway-arg=--inactivity-timeout=30")
     prompts = [f"Tell me about the planet number {i} of a faraway star." for i in range(8)]
+    # long enough (ignore_eos) that decode-0's streams are still decoding when it is stopped: 32
+    # tokens took under the 0.5 s settle once decode got fast, and nothing was left to migrate
+    tokens = 160
     try:
-        expected = undisturbed(url, prompts, 32)
-        results, threads = streams_reaching_decode0(stack, url, prompts, 32, settle_s=0.5)
+        expected = undisturbed(url, prompts, tokens)
+        results, threads = streams_reaching_decode0(stack, url, prompts, tokens, settle_s=0.5)
         victim = stack.process("decode-0")
         victim.send_signal(signal.SIGSTOP)
         t_stop = time.monotonic()
