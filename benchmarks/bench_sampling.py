@@ -1,13 +1,17 @@
-"""What per-token features cost in decode: tok/s of the default engine with and without them, at
-batch 1 and 16 (128-token prompts, 64 timed steps, speculation off: one token a step), each variant
+"""What per-token features cost in decode: tok/s of the default engine with and without them
+(log-probabilities, seeded sampling, a JSON-schema constraint), at batch 1 and 16 (128-token prompts, 64 timed steps, speculation off: one token a step), each variant
 measured beside plain greedy decoding in A B B A order, on the same engine.
 
-    .venv/bin/python benchmarks/bench_sampling.py [--threads 2] [--rounds 2] [--variants logprobs-5,logprobs-20]
+    .venv/bin/python benchmarks/bench_sampling.py [--threads 2] [--rounds 2] [--variants logprobs-5,json-schema]
+
+The constraint: a JSON array of at least 40 {"name", "age"} objects, which cannot end inside the
+timed steps, so every row computes its grammar mask at every step.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -15,7 +19,7 @@ import torch
 
 from shared.config import EngineConfig, SpecConfig
 from shared.engine.engine import LLMEngine
-from shared.model.sampling import SamplingParams
+from shared.model.sampling import Constraint, SamplingParams
 
 WARMUP, STEPS = 8, 64
 PLAIN = {"temperature": 0.0}
@@ -24,6 +28,11 @@ VARIANTS: dict[str, dict] = {
     "logprobs-5": {"temperature": 0.0, "logprobs": 5},
     "logprobs-20": {"temperature": 0.0, "logprobs": 20},
     "sampled": {"temperature": 0.8, "top_p": 0.95, "seed": 1},  # for scale: seeded top-p sampling
+    "json-schema": {"temperature": 0.0, "constraint": Constraint("json", json.dumps({
+        "type": "array", "minItems": 40, "items": {
+            "type": "object", "required": ["name", "age"], "additionalProperties": False,
+            "properties": {"name": {"type": "string", "maxLength": 12},
+                           "age": {"type": "integer", "minimum": 0, "maximum": 120}}}}))},
 }
 
 
@@ -32,13 +41,16 @@ def tokens_per_second(engine: LLMEngine, batch: int, params: dict, tag: str) -> 
     for i in range(batch):
         engine.add_request(f"{tag}-{i}", prompt, SamplingParams(max_tokens=WARMUP + STEPS + 1, ignore_eos=True,
                                                                 **params))
-    steps, t0 = 0, 0.0
+    steps, t0, tokens = 0, 0.0, 0
     while engine.has_unfinished():
-        engine.step()
+        outs = engine.step()
         steps += 1
+        if steps > WARMUP:
+            tokens += sum(len(o.new_token_ids) for o in outs)
         if steps == WARMUP:
             t0 = time.perf_counter()
-    return batch * (steps - WARMUP) / (time.perf_counter() - t0)
+    assert tokens == batch * (steps - WARMUP), f"{tokens} tokens in {steps - WARMUP} steps: a row ended early"
+    return tokens / (time.perf_counter() - t0)
 
 
 def main() -> None:
