@@ -55,7 +55,9 @@ def grammar_text(constraint: Constraint) -> str:
     if kind == "choice":
         if not constraint.choices or any(not isinstance(c, str) or not c for c in constraint.choices):
             raise GrammarError("choices must be a non-empty list of non-empty strings")
-        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in constraint.choices))
+        # each choice a Lark string literal (JSON's escapes are Lark's; non-ASCII stays as it is)
+        return llguidance.LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in constraint.choices))
     if kind == "grammar":
         return llguidance.LLMatcher.grammar_from_lark(spec)
     raise GrammarError(f"unknown constraint kind {kind!r}; expected one of {KINDS}")
@@ -82,12 +84,12 @@ class GrammarCompiler:
         """Raise GrammarError naming the problem where `constraint` cannot be compiled."""
         error = llguidance.LLMatcher.validate_grammar(grammar_text(constraint), self.ll_tokenizer)
         if error:
-            raise GrammarError(_first_lines(error))
+            raise GrammarError(_one_line(error))
 
     def matcher(self, constraint: Constraint) -> Matcher:
         m = llguidance.LLMatcher(self.ll_tokenizer, grammar_text(constraint), log_level=0)
         if m.is_error():
-            raise GrammarError(_first_lines(m.get_error()))
+            raise GrammarError(_one_line(m.get_error()))
         return Matcher(m, self.vocab_size)
 
 
@@ -130,6 +132,7 @@ class Matcher:
         return self._m.get_error()
 
 
-def _first_lines(message: str, n: int = 3) -> str:
-    lines = [line for line in message.strip().splitlines() if line.strip()]
-    return " ".join(lines[:n])
+def _one_line(message: str, limit: int = 400) -> str:
+    """llguidance's multi-line error (a caret under the spot, then the reason) as one line."""
+    text = " ".join(line.strip() for line in message.strip().splitlines() if line.strip() and line.strip() != "^")
+    return text if len(text) <= limit else text[:limit - 1] + "…"
