@@ -4,6 +4,7 @@
     pdserve gateway|prefill|decode|kvstore …       one service on its own (how docker-compose runs them)
     pdserve model pull                             fetch the default model into the cache
     pdserve model export-tokenizer DIR             its tokenizer as a Hugging Face tokenizer directory
+    pdserve cost BENCH.json [--compare OTHER.json] what a load cost per phase (or --url a live gateway)
     pdserve generate "prompt" [--chat]             stream the model's answer to the terminal
     pdserve bench --base-url URL [--workload W]    load any OpenAI-compatible server, report TTFT/TPOT/ITL/goodput
     pdserve profile | simulate | plan              measure this machine; simulate a fleet; size the pools
@@ -125,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
                                          "report TTFT, TPOT, ITL, throughput and goodput")
     add_bench_args(bench)
     bench.set_defaults(func=cmd_bench)
+
+    from services.bench.cost import add_cost_args, cmd_cost
+
+    cost = sub.add_parser("cost", help="the cost of a load per phase (prefill-seconds, decode-seconds, KV moved), "
+                                       "from a bench JSON or a live gateway; --compare for colocated vs disaggregated")
+    add_cost_args(cost)
+    cost.set_defaults(func=cmd_cost)
 
     from services.planner.cli import add_planner_commands
 

@@ -54,6 +54,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="each worker keeps to its own --threads, even while the others are idle")
     add_speculative_args(p)
     p.add_argument("--api-key", default=env("PDSERVE_API_KEY"))
+    p.add_argument("--price", default=env("PDSERVE_PRICE", ""), metavar="prefill=P,decode=D,gb=G,currency=C",
+                   help="what a second of prefill, a second of decode and a GB of KV moved cost: each response's "
+                        "usage.cost and pdserve_cost_total then carry money, not only seconds and bytes")
     p.add_argument("--kv-network", action="store_true", help="move KV over NATS instead of shared memory")
     p.add_argument("--kv-slots", type=int, default=1024, help="kvstore blocks (bf16: 360 KiB each)")
     p.add_argument("--workdir", default=None, help="logs and server state (default: a temp dir)")
@@ -174,6 +177,8 @@ def _start(stack: Stack, args: argparse.Namespace) -> None:
                       "--expect", ",".join(f"{role}={n}" for role, n in expect.items())]
     if args.api_key:
         gateway += ["--api-key", args.api_key]
+    if args.price:
+        gateway += ["--price", args.price]
     gateway += args.gateway_arg
     stack.spawn("gateway", "services.gateway", gateway, stage=STAGE_GATEWAY)
 

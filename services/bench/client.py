@@ -47,6 +47,9 @@ class RequestRecord:
     status: str = "ok"
     http_status: int | None = None
     error: str = ""
+    # pdserve's usage.cost and usage.timing_ms (other servers send none): what `pdserve cost` reads
+    cost: dict[str, Any] | None = None
+    timing_ms: dict[str, float] | None = None
 
     @property
     def ok(self) -> bool:
@@ -169,6 +172,7 @@ async def _stream(client: httpx.AsyncClient, target: Target, spec: RequestSpec, 
                 rec.usage_reported = True
                 rec.output_tokens = int(usage.get("completion_tokens") or 0)
                 rec.prompt_tokens = int(usage.get("prompt_tokens") or rec.prompt_tokens)
+                rec.cost, rec.timing_ms = usage.get("cost"), usage.get("timing_ms")
             for choice in event.get("choices") or []:
                 text = (choice.get("delta") or {}).get("content") if text_key else choice.get("text")
                 if text:

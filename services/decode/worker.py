@@ -122,7 +122,8 @@ class DecodeWorker(WorkerRuntime):
         try:
             out = self.engine.kv_cache.empty_blocks(len(job.blocks))
             await self.kv.read_blocks(job.lease_id, job.blocks, out, segment=job.segment)
-            timing.kv_read_s = time.time() - t0
+            timing.kv_read_s += time.time() - t0
+            timing.kv_bytes_read += out.nbytes
             return out
         except KVStoreError as exc:
             log.warning("request %s: KV transfer failed (%s)", job.request_id, exc)
@@ -185,6 +186,8 @@ class DecodeWorker(WorkerRuntime):
             if out.finish_reason == FinishReason.ABORT:
                 return
             timing.decode_s = time.time() - t0
+            timing.prefill_compute_s += out.prefill_compute_s  # a prompt prefilled here (whole or recomputed)
+            timing.decode_compute_s += out.decode_compute_s
             await self.publish_final(rid, index, out.new_token_ids, finish_reason=str(out.finish_reason),
                                      stop_reason=out.stop_reason, prompt_tokens=prompt_tokens,
                                      completion_tokens=index + len(out.new_token_ids),

@@ -14,6 +14,7 @@ import socket
 import sys
 
 from services.gateway.config import MODES, GatewayConfig
+from services.gateway.cost import Price
 from services.gateway.server import serve
 from shared.cli_args import add_connection_args, connection_fields
 
@@ -53,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, open streams get this long to complete; then each ends with an error event")
     p.add_argument("--api-key", default=env("PDSERVE_API_KEY"))
     p.add_argument("--log-level", default=env("PDSERVE_LOG_LEVEL", defaults.log_level))
+    p.add_argument("--price", default=env("PDSERVE_PRICE", ""), type=_price, metavar="prefill=P,decode=D,gb=G,currency=C",
+                   help="price per prefill-second, per decode-second and per GB of KV moved (usage.cost, "
+                        "pdserve_cost_total)")
     p.add_argument("--expect", default=env("PDSERVE_EXPECT", ""), type=_role_counts, metavar="ROLE=N,...",
                    help="instances the deployment starts, e.g. prefill=1,decode=2,kvstore=1: /health is 503 "
                         "(starting) until each has reported once")
@@ -69,6 +73,13 @@ def _role_counts(text: str) -> dict[str, int]:
     return out
 
 
+def _price(text: str) -> Price:
+    try:
+        return Price.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _int_or_none(value: str | None) -> int | None:
     return int(value) if value else None
 
@@ -82,7 +93,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         default_max_tokens=args.default_max_tokens, inactivity_timeout_s=args.inactivity_timeout, queue_timeout_s=args.queue_timeout,
         max_migrations=args.max_migrations,
         request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace, api_key=args.api_key,
-        log_level=args.log_level, expect=args.expect,
+        log_level=args.log_level, expect=args.expect, price=args.price,
     )
 
 

@@ -91,7 +91,7 @@ class GatewayState:
             raise
         admission = Admission(config.max_concurrent_requests)
         metrics = GatewayMetrics(config.instance, lambda: (admission.in_flight, admission.awaiting_first_token),
-                                 workers.recent_stats)
+                                 workers.recent_stats, model=model.name, price=config.price)
         return cls(config, model, nc, js, redis, workers, admission, metrics, Dispatcher(nc, js, config, workers))
 
     async def stop(self) -> None:

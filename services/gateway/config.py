@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.gateway.cost import Price
 from shared.config import ConnectionConfig
 
 MODES = ("disaggregated", "colocated", "conditional")
@@ -51,6 +52,7 @@ class GatewayConfig(ConnectionConfig):
     # (503) until each has been heard from once; after that, one live instance of each needed role
     expect: dict[str, int] = field(default_factory=dict)
     log_level: str = "info"
+    price: Price = field(default_factory=Price)  # per prefill-second, decode-second, GB of KV moved
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -17,7 +17,7 @@ from services.gateway.dispatch import RequestChannel, StreamError
 from services.gateway.errors import APIError, from_error_code
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.output import OutputText
-from shared.protocol.messages import ErrorCode, TokenEvent, TokenLogprobs, Usage
+from shared.protocol.messages import ErrorCode, Timing, TokenEvent, TokenLogprobs, Usage
 
 log = logging.getLogger(__name__)
 
@@ -28,13 +28,15 @@ class Step:
     finish_reason: str | None = None  # "stop" | "length" on the last step
     stop_reason: str | int | None = None
     usage: Usage | None = None  # on the last step
+    timing: Timing | None = None  # on the last step: where the time went, what was computed and moved
     # (token id, its log-probabilities) of the tokens since the previous step, where asked for
     logprobs: list[tuple[int, TokenLogprobs]] = field(default_factory=list)
 
 
 class Generation:
     def __init__(self, channel: RequestChannel, output: OutputText, *, num_prompt_tokens: int,
-                 metrics: GatewayMetrics, ticket: Ticket, arrived: float, index: int = 0) -> None:
+                 metrics: GatewayMetrics, ticket: Ticket, arrived: float, index: int = 0,
+                 operation: str = "chat") -> None:
         self.channel = channel
         # choice `index` of the request (n > 1); the request's TTFT, latency and outcome are its
         # first choice's, every choice's tokens count for ITL; the choices share the admission ticket
@@ -44,6 +46,8 @@ class Generation:
         self._metrics = metrics
         self._ticket = ticket
         self._arrived = arrived  # time.perf_counter() when the HTTP request came in
+        self._operation = operation  # GenAI's gen_ai.operation.name: "chat" | "text_completion"
+        self._first_token_at: float | None = None
         self._last_token_at: float | None = None
         self.status = "cancelled"  # requests_total label; set as the request ends
         self._cancel_reason = "the client stopped reading"
@@ -66,10 +70,14 @@ class Generation:
                     continue
                 if event.error_code != ErrorCode.OK or event.finish_reason in ("abort", "error"):
                     raise self._worker_error(event)
-                yield self._final_step(event)
+                final = self._final_step(event)
+                yield final
                 self.status = "success"
                 if self.index == 0:
-                    self._metrics.e2e.observe(time.perf_counter() - self._arrived)
+                    duration = time.perf_counter() - self._arrived
+                    self._metrics.e2e.observe(duration)
+                    ttft = None if self._first_token_at is None else self._first_token_at - self._arrived
+                    self._metrics.observe_genai(self._operation, ttft, duration, final.usage.completion_tokens)
                 return
         except StreamError as exc:
             log.warning("request %s: %s", self.request_id, exc.message)
@@ -100,10 +108,12 @@ class Generation:
             finish_reason = event.finish_reason if event.finish_reason in ("stop", "length") else "stop"
             stop_reason = event.stop_reason
         usage = event.usage or Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.channel.num_tokens)
-        if event.timing is not None and (kv_s := event.timing.kv_write_s + event.timing.kv_read_s) > 0:
+        timing = event.timing or Timing()
+        if (kv_s := timing.kv_write_s + timing.kv_read_s) > 0:
             self._metrics.kv_transfer.observe(kv_s)  # colocated/direct requests move no KV: not observed
+        self._metrics.account(timing, usage)
         return Step(text, finish_reason=finish_reason, stop_reason=stop_reason, usage=usage,
-                    logprobs=self._take_logprobs())
+                    logprobs=self._take_logprobs(), timing=timing)
 
     def usage_so_far(self) -> Usage:
         return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.channel.num_tokens)
@@ -118,6 +128,7 @@ class Generation:
     def _observe_tokens(self, n: int) -> None:
         now = time.perf_counter()
         if self._last_token_at is None:
+            self._first_token_at = now
             if self.index == 0:
                 self._metrics.ttft.observe(now - self._arrived)
             self._ticket.first_token()

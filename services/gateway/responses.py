@@ -6,6 +6,8 @@
     include_usage:          one more chunk with "choices": [] and "usage"
     continuous_usage_stats: "usage" (the tokens so far) in every chunk too (vLLM's extension)
     logprobs:               each choice's "logprobs" holds those of the tokens its text came from
+    usage.timing_ms, .cost: where the request's time went and what it computed, moved and cost
+                            (services/gateway/cost.py), in the usage chunk and non-streamed bodies
     tools:                  message {"content": text outside calls or null, "tool_calls": [...]},
                             finish_reason "tool_calls"; streamed as delta {"tool_calls": [...]}
 """
@@ -17,9 +19,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.gateway.cost import Price, RequestCost, timing_ms
 from services.gateway.logprobs import LogprobFormat
 from services.gateway.tools import ToolRequest, split_message
-from shared.protocol.messages import Usage
+from shared.protocol.messages import Timing, Usage
 
 
 @dataclass
@@ -32,6 +35,7 @@ class ResponseMeta:
     echo: str = ""  # completions' echo: the prompt's text, before the first text
     continuous_usage: bool = False
     tools: ToolRequest | None = None  # chat with tools: each choice's text is parsed for tool calls
+    price: Price = field(default_factory=Price)
 
     @property
     def id(self) -> str:
@@ -46,10 +50,18 @@ class ResponseMeta:
                 "system_fingerprint": None, "choices": choices}
 
 
-def usage_dict(usage: Usage) -> dict[str, Any]:
+def breakdown(meta: ResponseMeta, timings: list[Timing]) -> dict[str, Any]:
+    """usage.timing_ms (choice 0's) and usage.cost (every choice's, best_of candidates included)."""
+    cost = RequestCost()
+    for t in timings:
+        cost.add(t)
+    return {"timing_ms": timing_ms(timings[0]), "cost": cost.to_json(meta.price)}
+
+
+def usage_dict(usage: Usage, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """OpenAI's usage; speculative decoding in OpenAI's predicted-output fields and as pdserve's
-    `draft_tokens` / `accepted_tokens`."""
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+    `draft_tokens` / `accepted_tokens`; `extra`: the timing and cost breakdown."""
+    return (extra or {}) | {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
             "completion_tokens_details": {"accepted_prediction_tokens": usage.accepted_tokens,
@@ -93,9 +105,9 @@ def finish_reason_of(reason: str, has_calls: bool) -> str:
     return "tool_calls" if has_calls and reason == "stop" else reason
 
 
-def usage_chunk(meta: ResponseMeta, usage: Usage) -> dict[str, Any]:
+def usage_chunk(meta: ResponseMeta, usage: Usage, timings: list[Timing]) -> dict[str, Any]:
     chunk = meta.envelope(meta.chunk_object, [])
-    chunk["usage"] = usage_dict(usage)
+    chunk["usage"] = usage_dict(usage, breakdown(meta, timings))
     return chunk
 
 
@@ -108,6 +120,7 @@ class ChoiceResult:
     stop_reason: str | int | None
     usage: Usage
     logprobs: dict[str, Any] | None = None
+    timing: Timing = field(default_factory=Timing)
 
 
 def total_usage(usages: list[Usage]) -> Usage:
@@ -118,7 +131,8 @@ def total_usage(usages: list[Usage]) -> Usage:
                  accepted_tokens=sum(u.accepted_tokens for u in usages))
 
 
-def full_response(meta: ResponseMeta, choices: list[ChoiceResult], usage: Usage) -> dict[str, Any]:
+def full_response(meta: ResponseMeta, choices: list[ChoiceResult], usage: Usage, timings: list[Timing]
+                  ) -> dict[str, Any]:
     out = []
     for index, c in enumerate(choices):
         if meta.kind == "chat":
@@ -133,7 +147,7 @@ def full_response(meta: ResponseMeta, choices: list[ChoiceResult], usage: Usage)
             out.append({"index": index, "text": meta.echo + c.text, "logprobs": c.logprobs,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     body = meta.envelope("chat.completion" if meta.kind == "chat" else "text_completion", out)
-    body["usage"] = usage_dict(usage)
+    body["usage"] = usage_dict(usage, breakdown(meta, timings))
     return body
 
 

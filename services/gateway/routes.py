@@ -235,11 +235,11 @@ async def _generate(request: Request, schema: type[schemas.GenerationRequest], k
         Generation(channel, OutputText(tokenizer, prepared.prompt_ids, stop=params.stop, min_tokens=params.min_tokens,
                                        skip_special_tokens=params.skip_special_tokens),
                    num_prompt_tokens=len(prepared.prompt_ids), metrics=state.metrics, ticket=ticket, arrived=arrived,
-                   index=i)
+                   index=i, operation="chat" if kind == "chat" else "text_completion")
         for i, channel in enumerate(channels)]
     request.scope.setdefault("state", {})["generations"] = generations  # for the access log
     meta = ResponseMeta(kind, request_id, state.model.name, echo=prepared.echo, continuous_usage=prepared.continuous_usage,
-                        tools=prepared.tools,
+                        tools=prepared.tools, price=state.config.price,
                         logprobs=LogprobFormat(tokenizer, kind) if params.logprobs is not None else None)
     log.debug("request %s: %d prompt tokens, max_tokens %d, n %d, stream=%s", request_id, len(prepared.prompt_ids),
               params.max_tokens, len(generations), prepared.stream)

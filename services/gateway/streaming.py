@@ -22,7 +22,7 @@ from services.gateway.generation import Generation, Step
 from services.gateway.responses import (SSE_DONE, ChoiceResult, ResponseMeta, finish_reason_of, full_response,
                                         role_chunk, sse, text_chunk, tool_chunk, total_usage, usage_chunk)
 from services.gateway.tools import ToolCallParser
-from shared.protocol.messages import Usage
+from shared.protocol.messages import Timing, Usage
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ async def sse_body(generations: list[Generation], meta: ResponseMeta, include_us
     formats = _formats(meta, len(generations))
     parsers = [meta.tools.parser() if meta.tools is not None else None for _ in generations]
     usages: list[Usage | None] = [None] * len(generations)  # each choice's final usage, once it has ended
+    timings: list[Timing] = [Timing()] * len(generations)
     echo_later = bool(meta.echo) and meta.logprobs is not None  # with the prompt's log-probabilities
     try:
         for g in generations:
@@ -70,11 +71,13 @@ async def sse_body(generations: list[Generation], meta: ResponseMeta, include_us
                                          index=g.index))
                 if step.usage is not None:
                     usages[g.index] = step.usage
+                if step.timing is not None:
+                    timings[g.index] = step.timing
                 so_far = _usage_so_far(generations, usages) if meta.continuous_usage else None
                 for chunk in _step_chunks(meta, g.index, formats[g.index], step, so_far, parsers[g.index]):
                     yield sse(chunk)
             if include_usage and all(u is not None for u in usages):
-                yield sse(usage_chunk(meta, total_usage(usages)))
+                yield sse(usage_chunk(meta, total_usage(usages), timings))
         except APIError as exc:
             yield sse(exc.body())
         if not any(g.channel.aborted for g in generations):
@@ -210,15 +213,16 @@ async def collect(generations: list[Generation], meta: ResponseMeta, receive: Re
                 finals[g.index] = step
         if any(f is None or f.usage is None for f in finals):  # the client left: nobody reads this
             return Response(status_code=499)
-        results = [ChoiceResult("".join(t), f.finish_reason, f.stop_reason, f.usage, lp.join(parts))
-                   for t, f, parts in zip(texts, finals, logprobs)]
+        results = [ChoiceResult("".join(t), f.finish_reason, f.stop_reason, f.usage, lp.join(parts),
+                                f.timing or Timing()) for t, f, parts in zip(texts, finals, logprobs)]
         usage = total_usage([r.usage for r in results])
+        timings = [r.timing for r in results]  # before best_of drops candidates: they were computed too
         if len(results) > num_choices:
             results = sorted(results, key=_mean_logprob, reverse=True)[:num_choices]
         if strip_logprobs:
             for r in results:
                 r.logprobs = None
-        return JSONResponse(full_response(meta, results, usage))
+        return JSONResponse(full_response(meta, results, usage, timings))
     finally:
         watcher.cancel()
         await _close_all(generations)

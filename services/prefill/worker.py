@@ -97,16 +97,18 @@ class PrefillWorker(WorkerRuntime):
         # leave ≥ 1 token to compute; the prompt's log-probabilities need every token computed
         lookup_keys = keys[: (len(tokens) - 1) // bs] if params.prompt_logprobs is None else []
         lease, hits, prefix, segment = "", [], None, ""
+        t_read = time.time()
         try:
             found = await self.kv.lookup(lookup_keys, lease_ttl_s=self.config.lease_ttl_s)
             lease, hits, segment = found.lease_id, found.blocks, found.segment
             if hits:
                 prefix = self.engine.kv_cache.empty_blocks(len(hits))
                 await self.kv.read_blocks(lease, hits, prefix, segment=segment)
+            t_read = time.time() - t_read
         except KVStoreError as exc:  # a prefix we cannot read is recomputed, never trusted
             log.warning("request %s: prefix cache unavailable (%s); computing the whole prompt", rid, exc)
             await self._release(lease)
-            lease, hits, prefix, segment = "", [], None, ""
+            lease, hits, prefix, segment, t_read = "", [], None, "", 0.0
         self.prefix_queries += len(lookup_keys)
         self.prefix_hits += len(hits)
 
@@ -123,7 +125,9 @@ class PrefillWorker(WorkerRuntime):
         if out.finish_reason == FinishReason.ABORT:
             await self._release(lease)
             return
-        timing = Timing(queue_s=max(0.0, taken - job.created_at) if job.created_at else 0.0, prefill_s=prefill_s)
+        timing = Timing(queue_s=max(0.0, taken - job.created_at) if job.created_at else 0.0, prefill_s=prefill_s,
+                        prefill_compute_s=out.prefill_compute_s, decode_compute_s=out.decode_compute_s,
+                        kv_read_s=t_read if hits else 0.0, kv_bytes_read=prefix.nbytes if hits else 0)
         if out.finish_reason != FinishReason.PREFILLED:  # the first token already ends the request
             await self._release(lease)
             await self.publish_final(rid, index, out.new_token_ids, finish_reason=str(out.finish_reason),
@@ -163,6 +167,7 @@ class PrefillWorker(WorkerRuntime):
             await self._release(lease)
             return [], "", ""
         timing.kv_write_s = time.time() - t0
+        timing.kv_bytes_written = new.nbytes
         return hits + [KVBlockRef(s, c) for s, c in zip(alloc.slots, checksums)], lease, alloc.segment
 
     async def _release(self, lease: str) -> None:

@@ -46,6 +46,7 @@ class EngineStats:
     steps: int = 0
     tokens_computed: int = 0  # tokens run through the model (prefill chunks + decode tokens; not proposals)
     preemptions: int = 0
+    busy_s: float = 0.0  # time spent in steps, all of it charged to the sequences in them (cost accounting)
 
 
 @dataclass
@@ -64,6 +65,8 @@ class RequestOutput:
     accepted_tokens: int = 0  # of them, kept
     logprobs: list[TokenLogprobs] | None = None  # one per new token, where the request asked for them
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1 … P-1's, on the first output only
+    prefill_compute_s: float = 0.0  # this engine's step time charged to the request's prompt chunks so far
+    decode_compute_s: float = 0.0  # … and to its decode rows (proposals verified included)
 
 
 class LLMEngine:
@@ -247,6 +250,8 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        """One step; its time is charged to the sequences in it by the rows each ran (see `_charge`)."""
+        t_start = time.perf_counter()
         sched = self.scheduler.schedule()
         self.stats.preemptions += len(sched.preempted)
         if not sched.scheduled:
@@ -280,7 +285,21 @@ class LLMEngine:
             row += k + 1
         if self.spec is not None:
             self.spec.cost.observe(rows, time.perf_counter() - t0)
+        self._charge(sched.scheduled, chunks, rows, time.perf_counter() - t_start)
+        for (seq, _), out in zip(sampled, outputs):
+            out.prefill_compute_s, out.decode_compute_s = seq.prefill_compute_s, seq.decode_compute_s
         return outputs
+
+    def _charge(self, scheduled: list, chunks: list[ScheduledChunk], rows: int, secs: float) -> None:
+        """Share a step's time among its sequences by the rows each ran: a prompt chunk's tokens are
+        prefill, a decode row and its verified proposals decode."""
+        self.stats.busy_s += secs
+        for s, c in zip(scheduled, chunks):
+            share = secs * len(c.token_ids) / rows
+            if c.start_pos < s.seq.num_prompt_tokens:
+                s.seq.prefill_compute_s += share
+            else:
+                s.seq.decode_compute_s += share
 
     def _propose(self, scheduled: list, rows: int) -> list[Proposal | None]:
         """Speculative proposals for the decoding sequences of this step (None where there are none)."""
@@ -454,7 +473,8 @@ class LLMEngine:
             stop_reason=seq.stop_reason,
             output_index=seq.num_resumed + len(seq.output_ids) - len(new_tokens),
             draft_tokens=seq.spec.draft_tokens, accepted_tokens=seq.spec.accepted_tokens, logprobs=logprobs,
-            prompt_logprobs=seq.prompt_logprobs,
+            prompt_logprobs=seq.prompt_logprobs, prefill_compute_s=seq.prefill_compute_s,
+            decode_compute_s=seq.decode_compute_s,
         )
         seq.prompt_logprobs = None  # handed out once
         if seq.is_finished and seq.finish_reason != FinishReason.PREFILLED:

@@ -48,6 +48,8 @@ class Sequence:
     # handed out with the first output, then None
     prompt_logprobs: list | None = None
     matcher: Any = None  # structured output: a shared.model.grammar.Matcher (None: free text)
+    prefill_compute_s: float = 0.0  # step time charged to its prompt chunks (cost accounting)
+    decode_compute_s: float = 0.0  # … to its decode rows
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

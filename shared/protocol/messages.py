@@ -82,8 +82,14 @@ class Timing(msgspec.Struct, kw_only=True):
     prefill_s: float = 0.0  # prefill compute (including waiting for a batch slot)
     kv_write_s: float = 0.0  # prefill → kvstore
     decode_queue_s: float = 0.0  # DecodeJob published → a decode worker took it
-    kv_read_s: float = 0.0  # kvstore → decode cache
+    kv_read_s: float = 0.0  # kvstore → an engine's cache (prefill's prefix hits + decode's prompt)
     decode_s: float = 0.0  # first decode step → finish
+    # cost accounting (services/gateway/cost.py): engine step time charged to this request's prompt
+    # chunks and decode rows (each step shared by the rows each request ran), and the KV bytes moved
+    prefill_compute_s: float = 0.0
+    decode_compute_s: float = 0.0
+    kv_bytes_written: int = 0  # prefill → kvstore
+    kv_bytes_read: int = 0  # kvstore → prefill (prefix hits) and → decode
 
 
 class PrefillJob(Msg, kw_only=True):
@@ -176,6 +182,7 @@ class WorkerStats(Msg, kw_only=True):
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []  # [i]: drafts whose proposal i was kept
+    busy_s: float = 0.0  # cumulative engine step time (all of it charged to requests: cost accounting)
     ts: float = 0.0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import re
 import string
 import threading
@@ -269,6 +270,109 @@ def test_tools_with_the_openai_client(disagg):
         client.chat.completions.create(model=MODEL, messages=ask, tools=tools, max_tokens=8,
                                        tool_choice={"type": "function", "function": {"name": "get_stock"}})
     assert "get_stock" in str(err.value)
+
+
+def _busy_by_role(url: str) -> dict[str, float]:
+    """pdserve_engine_busy_seconds_total summed per worker role, once two heartbeats agree."""
+    previous = None
+    for _ in range(20):
+        values = metric_values(url, "pdserve_engine_busy_seconds_total")
+        by_role: dict[str, float] = {}
+        for labels, v in values.items():
+            role = re.search(r'service="([^"]+)"', labels).group(1)
+            by_role[role] = by_role.get(role, 0.0) + v
+        if by_role == previous:
+            return by_role
+        previous = by_role
+        time.sleep(1.2)
+    raise AssertionError("the workers' busy time never settled")
+
+
+def test_cost_breakdown_conserves_every_workers_busy_time(disagg):
+    """≥ 50 mixed requests (chat and completions, streamed and not, short and long prompts, n = 2,
+    8 at a time so steps are shared): the prefill-seconds and decode-seconds in the responses add
+    up to the workers' measured step time, and the gateway's counters to the responses' values."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(13)
+    before_busy = _busy_by_role(disagg)
+    counters = ("pdserve_prefill_seconds_total", "pdserve_decode_seconds_total", "pdserve_kv_transfer_bytes_total")
+    before = {name: sum(metric_values(disagg, name).values()) for name in counters}
+
+    def one(i: int) -> dict:
+        words = " ".join(rng.choice(["river", "stone", "light", "market", "engine", "cloud"]) for _ in range(
+            rng.choice([5, 40, 200])))
+        body = {"model": MODEL, "max_tokens": rng.randint(4, 40), "temperature": 0.0, "ignore_eos": True,
+                "n": 2 if i % 10 == 0 else 1}
+        chat_kind = i % 2 == 0
+        if chat_kind:
+            body["messages"] = [{"role": "user", "content": f"Summarise: {words}"}]
+        else:
+            body["prompt"] = f"Notes {i}: {words}"
+        path = "/v1/chat/completions" if chat_kind else "/v1/completions"
+        if i % 3 == 0:
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+            with httpx.stream("POST", f"{disagg}{path}", json=body, timeout=120) as r:
+                assert r.status_code == 200
+                chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+            return chunks[-1]["usage"]
+        r = httpx.post(f"{disagg}{path}", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+
+    with ThreadPoolExecutor(8) as pool:
+        usages = list(pool.map(one, range(52)))
+    after_busy = _busy_by_role(disagg)
+    after = {name: sum(metric_values(disagg, name).values()) for name in counters}
+    prefill = sum(u["cost"]["prefill_seconds"] for u in usages)
+    decode = sum(u["cost"]["decode_seconds"] for u in usages)
+    kv_bytes = sum(u["cost"]["kv_bytes"] for u in usages)
+    busy = {role: after_busy[role] - before_busy.get(role, 0.0) for role in after_busy}
+    print(f"prefill {prefill:.3f} s vs prefill workers busy {busy['prefill']:.3f} s; decode {decode:.3f} s vs "
+          f"decode workers busy {busy['decode']:.3f} s; KV moved {kv_bytes / 1e6:.1f} MB")
+    assert prefill > 0 and decode > 0 and kv_bytes > 0
+    assert prefill == pytest.approx(busy["prefill"], rel=0.05)
+    assert decode == pytest.approx(busy["decode"], rel=0.05)
+    assert after["pdserve_prefill_seconds_total"] - before["pdserve_prefill_seconds_total"] == pytest.approx(prefill)
+    assert after["pdserve_decode_seconds_total"] - before["pdserve_decode_seconds_total"] == pytest.approx(decode)
+    assert after["pdserve_kv_transfer_bytes_total"] - before["pdserve_kv_transfer_bytes_total"] == kv_bytes
+    for u in usages:
+        assert set(u["timing_ms"]) == {"queue", "prefill", "kv_transfer", "decode_queue", "decode"}
+        assert u["timing_ms"]["decode"] > 0 and u["cost"]["kv_transfer_seconds"] > 0
+
+
+def test_pdserve_cost_from_a_bench_run_and_from_the_live_gateway(disagg, tmp_path):
+    """`pdserve bench --out` records each request's usage.cost; `pdserve cost` turns it into a
+    per-phase table (and side by side with another run), and reads a live gateway's counters."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, "-m", "services.cli", "bench", "--base-url", disagg, "--workload", "chat",
+                          "--num-requests", "12", "--max-concurrency", "4", "--input-len", "64-160",
+                          "--output-len", "8-24", "--no-progress", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    records = [r for run_ in json.loads(out.read_text())["runs"] for r in run_["records"] if r["status"] == "ok"]
+    assert len(records) == 12 and all(r["cost"]["prefill_seconds"] > 0 and r["cost"]["decode_seconds"] > 0
+                                      for r in records)
+    table = tmp_path / "cost.json"
+    cost = subprocess.run([sys.executable, "-m", "services.cli", "cost", str(out), "--compare", str(out),
+                           "--price", "prefill=2,decode=1,gb=0.5,currency=EUR", "--json", str(table)],
+                          capture_output=True, text=True, timeout=60)
+    assert cost.returncode == 0, cost.stderr
+    assert "total EUR / 1k requests" in cost.stdout and "1.00×" in cost.stdout
+    numbers = json.loads(table.read_text())["bench"]
+    prefill = sum(r["cost"]["prefill_seconds"] for r in records)
+    decode = sum(r["cost"]["decode_seconds"] for r in records)
+    kv_gb = sum(r["cost"]["kv_bytes"] for r in records) / 1e9
+    assert numbers["requests"] == 12
+    assert numbers["prefill-seconds / 1k requests"] == pytest.approx(prefill * 1000 / 12)
+    assert numbers["total EUR / 1k requests"] == pytest.approx((2 * prefill + decode + 0.5 * kv_gb) * 1000 / 12)
+    live = subprocess.run([sys.executable, "-m", "services.cli", "cost", "--url", disagg],
+                          capture_output=True, text=True, timeout=60)
+    assert live.returncode == 0 and "prefill-seconds / 1k requests" in live.stdout, live.stderr
 
 
 def test_logprobs_and_penalties_across_the_split(disagg):

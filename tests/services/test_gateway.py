@@ -23,6 +23,7 @@ from nats.js.errors import NotFoundError
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.gateway.config import GatewayConfig
+from services.gateway.cost import Price
 from shared.telemetry.names import CONTRACT_NAMES
 from services.gateway.output import OutputText
 from services.gateway.server import serve
@@ -201,8 +202,7 @@ class ScriptedPeer:
             return
         usage = Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=len(ids), cached_tokens=CACHED_TOKENS)
         final = TokenEvent(request_id=rid, index=len(ids), finished=True, finish_reason=finish,
-                           stop_reason=stop_reason, usage=usage, timing=Timing(kv_write_s=0.003, kv_read_s=0.004),
-                           worker="peer-decode")
+                           stop_reason=stop_reason, usage=usage, timing=PEER_TIMING, worker="peer-decode")
         await send(final)
         if self.behavior == "duplicate":
             await send(final)
@@ -351,6 +351,11 @@ async def metric_samples(client: httpx.AsyncClient) -> dict:
 
 # ----------------------------------------------------------------------------------------- tests
 
+PEER_TIMING = Timing(queue_s=0.001, prefill_s=0.02, kv_write_s=0.003, decode_queue_s=0.002, kv_read_s=0.004,
+                     decode_s=0.05, prefill_compute_s=0.015, decode_compute_s=0.04, kv_bytes_written=3 * 368640,
+                     kv_bytes_read=2 * 368640)
+PRICE = Price(prefill_per_s=2.0, decode_per_s=1.0, per_gb=10.0, currency="EUR")
+
 
 async def test_chat_non_streaming_shape_and_job(client, peer, tokenizer):
     body = {**CHAT, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "seed": 7, "max_completion_tokens": 50,
@@ -363,6 +368,12 @@ async def test_chat_non_streaming_shape_and_job(client, peer, tokenizer):
     assert data["choices"][0]["finish_reason"] == "stop"
     prompt_ids = chat_prompt_ids(tokenizer, CHAT["messages"])
     n_out = len(tokenizer.encode(ANSWER, add_special_tokens=False))
+    breakdown = {key: data["usage"].pop(key) for key in ("timing_ms", "cost")}
+    assert breakdown == {
+        "timing_ms": {"queue": 1.0, "prefill": 20.0, "kv_transfer": 7.0, "decode_queue": 2.0, "decode": 50.0},
+        "cost": {"prefill_seconds": 0.015, "decode_seconds": 0.04, "kv_bytes": 5 * 368640,
+                 "kv_transfer_seconds": pytest.approx(0.007), "currency": "USD",
+                 "price": {"prefill": 0.0, "decode": 0.0, "kv_transfer": 0.0, "total": 0.0}}}
     assert data["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": n_out,
                              "total_tokens": len(prompt_ids) + n_out,
                              "prompt_tokens_details": {"cached_tokens": CACHED_TOKENS},
@@ -731,6 +742,39 @@ async def test_inactivity_timeout_ends_stream(make_gateway, peer):
         resp = await c.post("/v1/completions", json=COMPLETION)
         assert resp.status_code == 504 and resp.json()["error"]["code"] == "timeout"
         await peer.wait_cancel(list(peer.jobs)[-1])
+
+
+async def test_priced_gateway_reports_cost_in_usage_and_counters(make_gateway, peer):
+    """--price: each response's usage.cost in money, and /metrics' counters sum the requests' values."""
+    gw = make_gateway(price=PRICE)
+    async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+        await until(lambda: health_status(c), 200)
+        events = await stream_events(c, "/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}})
+        cost = events[-2]["usage"]["cost"]
+        gb = 5 * 368640 / 1e9
+        assert cost["currency"] == "EUR"
+        assert cost["price"] == pytest.approx({"prefill": 0.015 * 2.0, "decode": 0.04 * 1.0, "kv_transfer": gb * 10.0,
+                                               "total": 0.03 + 0.04 + gb * 10.0})
+        resp = await c.post("/v1/completions", json={**COMPLETION, "n": 2})
+        assert resp.json()["usage"]["cost"]["prefill_seconds"] == pytest.approx(2 * 0.015)  # every choice's
+        samples = await metric_samples(c)
+        assert samples["pdserve_prefill_seconds_total"][frozenset()] == pytest.approx(3 * 0.015)
+        assert samples["pdserve_decode_seconds_total"][frozenset()] == pytest.approx(3 * 0.04)
+        assert samples["pdserve_kv_transfer_bytes_total"][frozenset()] == 3 * 5 * 368640
+        by_phase = {dict(k)["phase"]: v for k, v in samples["pdserve_cost_total"].items()}
+        assert by_phase == pytest.approx({"prefill": 3 * 0.03, "decode": 3 * 0.04, "kv_transfer": 3 * gb * 10.0})
+        ttft = samples["gen_ai_server_time_to_first_token_seconds_count"]
+        assert sum(ttft.values()) == 2 and {dict(k)["gen_ai_operation_name"] for k in ttft} == {"chat",
+                                                                                               "text_completion"}
+        assert sum(samples["gen_ai_server_request_duration_seconds_count"].values()) == 2
+
+
+def test_price_parses_and_rejects():
+    assert Price.parse("prefill=0.5,decode=0.25, gb=1e-2,currency=EUR") == Price(0.5, 0.25, 0.01, "EUR")
+    assert Price.parse("") == Price()
+    for bad in ("prefill", "tokens=1", "decode=-1"):
+        with pytest.raises(ValueError):
+            Price.parse(bad)
 
 
 async def test_admission_limit_429(make_gateway, peer):
