@@ -36,6 +36,8 @@ class Totals:
     output_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    prefill_core_s: float = 0.0
+    decode_core_s: float = 0.0
     kv_bytes: float = 0.0
     without_cost: int = 0  # ok requests whose server reported no cost (not pdserve, or an old one)
 
@@ -60,6 +62,8 @@ def from_bench_json(path: str | Path) -> Totals:
             totals.output_tokens += int(rec.get("output_tokens") or 0)
             totals.prefill_s += float(cost["prefill_seconds"])
             totals.decode_s += float(cost["decode_seconds"])
+            totals.prefill_core_s += float(cost.get("prefill_core_seconds", cost["prefill_seconds"]))
+            totals.decode_core_s += float(cost.get("decode_core_seconds", cost["decode_seconds"]))
             totals.kv_bytes += float(cost["kv_bytes"])
     return totals
 
@@ -76,12 +80,14 @@ def from_gateway(url: str) -> Totals:
                   prompt_tokens=int(value("pdserve_prompt_tokens_total")),
                   output_tokens=int(value("pdserve_generation_tokens_total")),
                   prefill_s=value("pdserve_prefill_seconds_total"), decode_s=value("pdserve_decode_seconds_total"),
+                  prefill_core_s=value("pdserve_prefill_core_seconds_total"),
+                  decode_core_s=value("pdserve_decode_core_seconds_total"),
                   kv_bytes=value("pdserve_kv_transfer_bytes_total"))
 
 
 def rows(t: Totals, price: Price) -> dict[str, float | None]:
     """The table's numbers for one load."""
-    money = price.charge(t.prefill_s, t.decode_s, t.kv_bytes)
+    money = price.charge(t.prefill_core_s, t.decode_core_s, t.kv_bytes)
     per_k = 1000 / t.requests if t.requests else None
     per_m = 1e6 / t.tokens if t.tokens else None
     scale = lambda x, f: None if f is None else x * f  # noqa: E731
@@ -89,13 +95,15 @@ def rows(t: Totals, price: Price) -> dict[str, float | None]:
         "requests": t.requests, "tokens": t.tokens,
         "prefill-seconds / 1k requests": scale(t.prefill_s, per_k),
         "decode-seconds / 1k requests": scale(t.decode_s, per_k),
+        "prefill core-seconds / 1k requests": scale(t.prefill_core_s, per_k),
+        "decode core-seconds / 1k requests": scale(t.decode_core_s, per_k),
         "KV GB moved / 1k requests": scale(t.kv_bytes / GB, per_k),
         f"prefill {price.currency} / 1k requests": scale(money["prefill"], per_k),
         f"decode {price.currency} / 1k requests": scale(money["decode"], per_k),
         f"KV transfer {price.currency} / 1k requests": scale(money["kv_transfer"], per_k),
         f"total {price.currency} / 1k requests": scale(money["total"], per_k),
         f"total {price.currency} / 1M tokens": scale(money["total"], per_m),
-        "compute-seconds / 1M tokens": scale(t.prefill_s + t.decode_s, per_m),
+        "core-seconds / 1M tokens": scale(t.prefill_core_s + t.decode_core_s, per_m),
     }
 
 
@@ -127,7 +135,8 @@ def add_cost_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", help="a second bench JSON (e.g. the same workload colocated), side by side")
     p.add_argument("--url", help="a live gateway instead of a file: its /metrics counters")
     p.add_argument("--price", default="prefill=1,decode=1,gb=0", type=Price.parse,
-                   help="prefill=P,decode=D,gb=G,currency=C (default: 1 per compute-second, KV free)")
+                   help="prefill=P,decode=D,gb=G,currency=C per core-second (GPU: device-second) and GB of KV "
+                        "moved (default: 1 per core-second, KV free)")
     p.add_argument("--json", help="also write the numbers here")
 
 

@@ -188,6 +188,8 @@ class DecodeWorker(WorkerRuntime):
             timing.decode_s = time.time() - t0
             timing.prefill_compute_s += out.prefill_compute_s  # a prompt prefilled here (whole or recomputed)
             timing.decode_compute_s += out.decode_compute_s
+            timing.prefill_core_s += out.prefill_core_s
+            timing.decode_core_s += out.decode_core_s
             await self.publish_final(rid, index, out.new_token_ids, finish_reason=str(out.finish_reason),
                                      stop_reason=out.stop_reason, prompt_tokens=prompt_tokens,
                                      completion_tokens=index + len(out.new_token_ids),

@@ -7,8 +7,11 @@ second a worker computes is charged to exactly one request and phase. Prompt chu
 decode rows are decode, whatever pool ran them (a conditional decode worker prefilling a short
 prompt charges prefill). The KV moved is what the prefill worker wrote and the decode worker read.
 
-The price (`--price prefill=…,decode=…,gb=…,currency=…`) turns those into money; without one the
-seconds and bytes are still reported. Each response carries `usage.timing_ms` and `usage.cost`;
+Seconds are wall time of the steps; core-seconds weigh each step by the compute units it ran on (on
+a CPU the threads: engines on one host lend each other their cores, so a step's width varies; on a
+GPU the device, 1). The price is per core-second, so a colocated engine on 2 cores and two pools of
+1 core each are charged alike for the same work. `--price prefill=…,decode=…,gb=…,currency=…`
+turns them into money; without one the seconds and bytes are still reported. Each response carries `usage.timing_ms` and `usage.cost`;
 the gateway's /metrics carries the same as counters.
 """
 
@@ -24,8 +27,8 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class Price:
-    prefill_per_s: float = 0.0  # per second of prefill compute
-    decode_per_s: float = 0.0  # per second of decode compute
+    prefill_per_s: float = 0.0  # per core-second of prefill compute (GPU: per device-second)
+    decode_per_s: float = 0.0  # per core-second of decode compute
     per_gb: float = 0.0  # per GB of KV moved (written by prefill + read by decode)
     currency: str = "USD"
 
@@ -59,19 +62,24 @@ class RequestCost:
 
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    prefill_core_s: float = 0.0
+    decode_core_s: float = 0.0
     kv_bytes: int = 0
     kv_transfer_s: float = 0.0
 
     def add(self, timing: Timing) -> None:
         self.prefill_s += timing.prefill_compute_s
         self.decode_s += timing.decode_compute_s
+        self.prefill_core_s += timing.prefill_core_s
+        self.decode_core_s += timing.decode_core_s
         self.kv_bytes += timing.kv_bytes_written + timing.kv_bytes_read
         self.kv_transfer_s += timing.kv_write_s + timing.kv_read_s
 
     def to_json(self, price: Price) -> dict[str, Any]:
-        return {"prefill_seconds": self.prefill_s, "decode_seconds": self.decode_s, "kv_bytes": self.kv_bytes,
-                "kv_transfer_seconds": self.kv_transfer_s, "currency": price.currency,
-                "price": price.charge(self.prefill_s, self.decode_s, self.kv_bytes)}
+        return {"prefill_seconds": self.prefill_s, "decode_seconds": self.decode_s,
+                "prefill_core_seconds": self.prefill_core_s, "decode_core_seconds": self.decode_core_s,
+                "kv_bytes": self.kv_bytes, "kv_transfer_seconds": self.kv_transfer_s, "currency": price.currency,
+                "price": price.charge(self.prefill_core_s, self.decode_core_s, self.kv_bytes)}
 
 
 def timing_ms(timing: Timing) -> dict[str, float]:

@@ -127,6 +127,7 @@ class PrefillWorker(WorkerRuntime):
             return
         timing = Timing(queue_s=max(0.0, taken - job.created_at) if job.created_at else 0.0, prefill_s=prefill_s,
                         prefill_compute_s=out.prefill_compute_s, decode_compute_s=out.decode_compute_s,
+                        prefill_core_s=out.prefill_core_s, decode_core_s=out.decode_core_s,
                         kv_read_s=t_read if hits else 0.0, kv_bytes_read=prefix.nbytes if hits else 0)
         if out.finish_reason != FinishReason.PREFILLED:  # the first token already ends the request
             await self._release(lease)

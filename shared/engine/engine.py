@@ -47,6 +47,7 @@ class EngineStats:
     tokens_computed: int = 0  # tokens run through the model (prefill chunks + decode tokens; not proposals)
     preemptions: int = 0
     busy_s: float = 0.0  # time spent in steps, all of it charged to the sequences in them (cost accounting)
+    busy_core_s: float = 0.0  # … times the compute units each step ran on (CPU: its threads; a GPU: 1)
 
 
 @dataclass
@@ -67,6 +68,8 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1 … P-1's, on the first output only
     prefill_compute_s: float = 0.0  # this engine's step time charged to the request's prompt chunks so far
     decode_compute_s: float = 0.0  # … and to its decode rows (proposals verified included)
+    prefill_core_s: float = 0.0  # the same times the compute units of each step (CPU threads; GPU: 1)
+    decode_core_s: float = 0.0
 
 
 class LLMEngine:
@@ -288,18 +291,25 @@ class LLMEngine:
         self._charge(sched.scheduled, chunks, rows, time.perf_counter() - t_start)
         for (seq, _), out in zip(sampled, outputs):
             out.prefill_compute_s, out.decode_compute_s = seq.prefill_compute_s, seq.decode_compute_s
+            out.prefill_core_s, out.decode_core_s = seq.prefill_core_s, seq.decode_core_s
         return outputs
 
     def _charge(self, scheduled: list, chunks: list[ScheduledChunk], rows: int, secs: float) -> None:
         """Share a step's time among its sequences by the rows each ran: a prompt chunk's tokens are
-        prefill, a decode row and its verified proposals decode."""
+        prefill, a decode row and its verified proposals decode. Core-seconds weigh each step by
+        the threads it ran on (engines on one host lend each other cores, so a step's width varies);
+        on a GPU the unit is the device."""
+        units = torch.get_num_threads() if self.kv_cache.data.device.type == "cpu" else 1
         self.stats.busy_s += secs
+        self.stats.busy_core_s += secs * units
         for s, c in zip(scheduled, chunks):
             share = secs * len(c.token_ids) / rows
             if c.start_pos < s.seq.num_prompt_tokens:
                 s.seq.prefill_compute_s += share
+                s.seq.prefill_core_s += share * units
             else:
                 s.seq.decode_compute_s += share
+                s.seq.decode_core_s += share * units
 
     def _propose(self, scheduled: list, rows: int) -> list[Proposal | None]:
         """Speculative proposals for the decoding sequences of this step (None where there are none)."""
@@ -474,7 +484,7 @@ class LLMEngine:
             output_index=seq.num_resumed + len(seq.output_ids) - len(new_tokens),
             draft_tokens=seq.spec.draft_tokens, accepted_tokens=seq.spec.accepted_tokens, logprobs=logprobs,
             prompt_logprobs=seq.prompt_logprobs, prefill_compute_s=seq.prefill_compute_s,
-            decode_compute_s=seq.decode_compute_s,
+            decode_compute_s=seq.decode_compute_s, prefill_core_s=seq.prefill_core_s, decode_core_s=seq.decode_core_s,
         )
         seq.prompt_logprobs = None  # handed out once
         if seq.is_finished and seq.finish_reason != FinishReason.PREFILLED:

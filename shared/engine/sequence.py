@@ -50,6 +50,8 @@ class Sequence:
     matcher: Any = None  # structured output: a shared.model.grammar.Matcher (None: free text)
     prefill_compute_s: float = 0.0  # step time charged to its prompt chunks (cost accounting)
     decode_compute_s: float = 0.0  # … to its decode rows
+    prefill_core_s: float = 0.0  # the same, times the threads each step ran on
+    decode_core_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -88,6 +88,8 @@ class Timing(msgspec.Struct, kw_only=True):
     # chunks and decode rows (each step shared by the rows each request ran), and the KV bytes moved
     prefill_compute_s: float = 0.0
     decode_compute_s: float = 0.0
+    prefill_core_s: float = 0.0  # the same, times the compute units of each step (CPU threads; a GPU: 1)
+    decode_core_s: float = 0.0
     kv_bytes_written: int = 0  # prefill → kvstore
     kv_bytes_read: int = 0  # kvstore → prefill (prefix hits) and → decode
 
@@ -183,6 +185,7 @@ class WorkerStats(Msg, kw_only=True):
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []  # [i]: drafts whose proposal i was kept
     busy_s: float = 0.0  # cumulative engine step time (all of it charged to requests: cost accounting)
+    busy_core_s: float = 0.0  # … times each step's compute units (CPU threads)
     ts: float = 0.0
 
 

@@ -22,9 +22,12 @@ PROMPT_TOKENS = "pdserve_prompt_tokens_total"
 GENERATION_TOKENS = "pdserve_generation_tokens_total"
 PREFILL_SECONDS = "pdserve_prefill_seconds_total"
 DECODE_SECONDS = "pdserve_decode_seconds_total"
+PREFILL_CORE_SECONDS = "pdserve_prefill_core_seconds_total"  # × each step's threads (GPU: 1); priced
+DECODE_CORE_SECONDS = "pdserve_decode_core_seconds_total"
 KV_TRANSFER_BYTES = "pdserve_kv_transfer_bytes_total"
 COST = "pdserve_cost_total"  # {phase="prefill"|"decode"|"kv_transfer", currency}
 ENGINE_BUSY = "pdserve_engine_busy_seconds_total"  # per worker: step time, all of it charged to requests
+ENGINE_BUSY_CORE = "pdserve_engine_busy_core_seconds_total"
 # OpenTelemetry GenAI server metrics, in Prometheus form (dots → underscores, unit suffix)
 GENAI_TTFT = "gen_ai_server_time_to_first_token_seconds"
 GENAI_TPOT = "gen_ai_server_time_per_output_token_seconds"

@@ -158,7 +158,7 @@ class WorkerRuntime:
                            kv_blocks_in_use=pool.num_used_blocks, kv_blocks_cached=pool.num_cached_blocks,
                            prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits,
                            free_slots=max(0, self.engine.config.max_num_seqs - self.async_engine.num_requests),
-                           busy_s=self.engine.stats.busy_s, **spec)
+                           busy_s=self.engine.stats.busy_s, busy_core_s=self.engine.stats.busy_core_s, **spec)
 
     async def publish_tokens(self, request_id: str, index: int, token_ids: list[int], *, logprobs=None,
                              prompt_logprobs=None, **fields) -> None:

@@ -272,11 +272,11 @@ def test_tools_with_the_openai_client(disagg):
     assert "get_stock" in str(err.value)
 
 
-def _busy_by_role(url: str) -> dict[str, float]:
-    """pdserve_engine_busy_seconds_total summed per worker role, once two heartbeats agree."""
+def _busy_by_role(url: str, metric: str = "pdserve_engine_busy_seconds_total") -> dict[str, float]:
+    """A worker counter summed per worker role, once two heartbeats agree."""
     previous = None
     for _ in range(20):
-        values = metric_values(url, "pdserve_engine_busy_seconds_total")
+        values = metric_values(url, metric)
         by_role: dict[str, float] = {}
         for labels, v in values.items():
             role = re.search(r'service="([^"]+)"', labels).group(1)
@@ -296,6 +296,7 @@ def test_cost_breakdown_conserves_every_workers_busy_time(disagg):
 
     rng = random.Random(13)
     before_busy = _busy_by_role(disagg)
+    before_core = _busy_by_role(disagg, "pdserve_engine_busy_core_seconds_total")
     counters = ("pdserve_prefill_seconds_total", "pdserve_decode_seconds_total", "pdserve_kv_transfer_bytes_total")
     before = {name: sum(metric_values(disagg, name).values()) for name in counters}
 
@@ -324,6 +325,7 @@ def test_cost_breakdown_conserves_every_workers_busy_time(disagg):
     with ThreadPoolExecutor(8) as pool:
         usages = list(pool.map(one, range(52)))
     after_busy = _busy_by_role(disagg)
+    after_core = _busy_by_role(disagg, "pdserve_engine_busy_core_seconds_total")
     after = {name: sum(metric_values(disagg, name).values()) for name in counters}
     prefill = sum(u["cost"]["prefill_seconds"] for u in usages)
     decode = sum(u["cost"]["decode_seconds"] for u in usages)
@@ -334,6 +336,9 @@ def test_cost_breakdown_conserves_every_workers_busy_time(disagg):
     assert prefill > 0 and decode > 0 and kv_bytes > 0
     assert prefill == pytest.approx(busy["prefill"], rel=0.05)
     assert decode == pytest.approx(busy["decode"], rel=0.05)
+    for phase in ("prefill", "decode"):  # core-seconds (what --price charges): the same, step by step
+        charged = sum(u["cost"][f"{phase}_core_seconds"] for u in usages)
+        assert charged == pytest.approx(after_core[phase] - before_core.get(phase, 0.0), rel=0.05)
     assert after["pdserve_prefill_seconds_total"] - before["pdserve_prefill_seconds_total"] == pytest.approx(prefill)
     assert after["pdserve_decode_seconds_total"] - before["pdserve_decode_seconds_total"] == pytest.approx(decode)
     assert after["pdserve_kv_transfer_bytes_total"] - before["pdserve_kv_transfer_bytes_total"] == kv_bytes
@@ -364,11 +369,11 @@ def test_pdserve_cost_from_a_bench_run_and_from_the_live_gateway(disagg, tmp_pat
     assert cost.returncode == 0, cost.stderr
     assert "total EUR / 1k requests" in cost.stdout and "1.00×" in cost.stdout
     numbers = json.loads(table.read_text())["bench"]
-    prefill = sum(r["cost"]["prefill_seconds"] for r in records)
-    decode = sum(r["cost"]["decode_seconds"] for r in records)
+    prefill = sum(r["cost"]["prefill_core_seconds"] for r in records)
+    decode = sum(r["cost"]["decode_core_seconds"] for r in records)
     kv_gb = sum(r["cost"]["kv_bytes"] for r in records) / 1e9
     assert numbers["requests"] == 12
-    assert numbers["prefill-seconds / 1k requests"] == pytest.approx(prefill * 1000 / 12)
+    assert numbers["prefill core-seconds / 1k requests"] == pytest.approx(prefill * 1000 / 12)
     assert numbers["total EUR / 1k requests"] == pytest.approx((2 * prefill + decode + 0.5 * kv_gb) * 1000 / 12)
     live = subprocess.run([sys.executable, "-m", "services.cli", "cost", "--url", disagg],
                           capture_output=True, text=True, timeout=60)

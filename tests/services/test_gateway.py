@@ -352,7 +352,8 @@ async def metric_samples(client: httpx.AsyncClient) -> dict:
 # ----------------------------------------------------------------------------------------- tests
 
 PEER_TIMING = Timing(queue_s=0.001, prefill_s=0.02, kv_write_s=0.003, decode_queue_s=0.002, kv_read_s=0.004,
-                     decode_s=0.05, prefill_compute_s=0.015, decode_compute_s=0.04, kv_bytes_written=3 * 368640,
+                     decode_s=0.05, prefill_compute_s=0.015, decode_compute_s=0.04, prefill_core_s=0.03,
+                     decode_core_s=0.06, kv_bytes_written=3 * 368640,
                      kv_bytes_read=2 * 368640)
 PRICE = Price(prefill_per_s=2.0, decode_per_s=1.0, per_gb=10.0, currency="EUR")
 
@@ -371,7 +372,8 @@ async def test_chat_non_streaming_shape_and_job(client, peer, tokenizer):
     breakdown = {key: data["usage"].pop(key) for key in ("timing_ms", "cost")}
     assert breakdown == {
         "timing_ms": {"queue": 1.0, "prefill": 20.0, "kv_transfer": 7.0, "decode_queue": 2.0, "decode": 50.0},
-        "cost": {"prefill_seconds": 0.015, "decode_seconds": 0.04, "kv_bytes": 5 * 368640,
+        "cost": {"prefill_seconds": 0.015, "decode_seconds": 0.04, "prefill_core_seconds": 0.03,
+                 "decode_core_seconds": 0.06, "kv_bytes": 5 * 368640,
                  "kv_transfer_seconds": pytest.approx(0.007), "currency": "USD",
                  "price": {"prefill": 0.0, "decode": 0.0, "kv_transfer": 0.0, "total": 0.0}}}
     assert data["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": n_out,
@@ -753,8 +755,8 @@ async def test_priced_gateway_reports_cost_in_usage_and_counters(make_gateway, p
         cost = events[-2]["usage"]["cost"]
         gb = 5 * 368640 / 1e9
         assert cost["currency"] == "EUR"
-        assert cost["price"] == pytest.approx({"prefill": 0.015 * 2.0, "decode": 0.04 * 1.0, "kv_transfer": gb * 10.0,
-                                               "total": 0.03 + 0.04 + gb * 10.0})
+        assert cost["price"] == pytest.approx({"prefill": 0.03 * 2.0, "decode": 0.06 * 1.0, "kv_transfer": gb * 10.0,
+                                               "total": 0.06 + 0.06 + gb * 10.0})  # per core-second
         resp = await c.post("/v1/completions", json={**COMPLETION, "n": 2})
         assert resp.json()["usage"]["cost"]["prefill_seconds"] == pytest.approx(2 * 0.015)  # every choice's
         samples = await metric_samples(c)
@@ -762,7 +764,8 @@ async def test_priced_gateway_reports_cost_in_usage_and_counters(make_gateway, p
         assert samples["pdserve_decode_seconds_total"][frozenset()] == pytest.approx(3 * 0.04)
         assert samples["pdserve_kv_transfer_bytes_total"][frozenset()] == 3 * 5 * 368640
         by_phase = {dict(k)["phase"]: v for k, v in samples["pdserve_cost_total"].items()}
-        assert by_phase == pytest.approx({"prefill": 3 * 0.03, "decode": 3 * 0.04, "kv_transfer": 3 * gb * 10.0})
+        assert samples["pdserve_prefill_core_seconds_total"][frozenset()] == pytest.approx(3 * 0.03)
+        assert by_phase == pytest.approx({"prefill": 3 * 0.06, "decode": 3 * 0.06, "kv_transfer": 3 * gb * 10.0})
         ttft = samples["gen_ai_server_time_to_first_token_seconds_count"]
         assert sum(ttft.values()) == 2 and {dict(k)["gen_ai_operation_name"] for k in ttft} == {"chat",
                                                                                                "text_completion"}
