@@ -145,6 +145,8 @@ def _start(stack: Stack, args: argparse.Namespace) -> None:
         if value:
             auth += [flag, value]
     conn = ["--nats", nats_url, "--redis", redis_url, *auth]
+    if args.otlp_endpoint:  # every service traces, and exports to the same collector
+        conn += ["--otlp-endpoint", args.otlp_endpoint, "--trace-sample-ratio", str(args.trace_sample_ratio)]
     store = f"kv-up-{os.getpid()}"
     model_args = ["--model", model, "--dtype", args.dtype, "--quantization", args.quantization,
                   "--kv-dtype", args.kv_dtype, "--device", args.device, *speculative_argv(args)]

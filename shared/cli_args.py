@@ -21,12 +21,17 @@ def add_connection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats-token", default=env("PDSERVE_NATS_TOKEN"))
     p.add_argument("--redis", default=env("PDSERVE_REDIS_URL", "redis://127.0.0.1:6379"), help="Valkey/Redis URL")
     p.add_argument("--redis-password", default=env("PDSERVE_REDIS_PASSWORD"))
+    p.add_argument("--otlp-endpoint", default=env("PDSERVE_OTLP_ENDPOINT"),
+                   help="export traces over OTLP/HTTP to this collector (…/v1/traces is appended); off if unset")
+    p.add_argument("--trace-sample-ratio", type=float, default=float(env("PDSERVE_TRACE_SAMPLE_RATIO", "1.0")),
+                   help="fraction of requests traced (decided at the gateway; the services follow)")
 
 
 def connection_fields(args: argparse.Namespace) -> dict:
     """The ConnectionConfig fields from `add_connection_args`'s options."""
     return dict(nats_url=args.nats, nats_user=args.nats_user, nats_password=args.nats_password,
-                nats_token=args.nats_token, redis_url=args.redis, redis_password=args.redis_password)
+                nats_token=args.nats_token, redis_url=args.redis, redis_password=args.redis_password,
+                otlp_endpoint=args.otlp_endpoint, trace_sample_ratio=args.trace_sample_ratio)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -94,6 +94,8 @@ class ConnectionConfig:
     nats_token: str | None = None
     redis_url: str = "redis://127.0.0.1:6379"
     redis_password: str | None = None
+    otlp_endpoint: str | None = None  # tracing (shared/telemetry/tracing.py): off when None
+    trace_sample_ratio: float = 1.0
 
 
 @dataclass(kw_only=True)

@@ -19,6 +19,7 @@ from shared.engine.sequence import FinishReason
 from shared.protocol import subjects
 from shared.protocol.convert import to_params
 from shared.protocol.messages import DecodeJob, ErrorCode, PrefillJob, Timing
+from shared.telemetry import tracing
 from shared.transport import nats_bus
 from shared.transport.kv_client import KVStoreClient, KVStoreError
 from shared.transport.worker import WorkerRuntime, attach_kvstore, safe
@@ -94,12 +95,17 @@ class DecodeWorker(WorkerRuntime):
             self.done(rid, job.attempt)
             await self._release(job)
             return
+        span = self._job_span("decode", msg, rid, job.attempt, job.created_at, taken)
         timing = job.timing
         timing.decode_queue_s = max(0.0, taken - job.created_at) if job.created_at else 0.0
+        t_read = time.time()
         blocks = await self._read_blocks(job, timing)
+        if job.blocks:
+            tracing.span_at("kv.read", span, t_read, time.time(), **{"pdserve.kv_bytes": timing.kv_bytes_read})
         if blocks is None and self.config.kv_failure_policy == "fail":
             await self.publish_error(rid, index, ErrorCode.KV_TRANSFER_FAILED,
                                      f"KV blocks of request {rid} could not be read from kvstore {job.store}")
+            tracing.end_error(span, "KV blocks could not be read")
             self.done(rid, job.attempt)
             await msg.ack()
             return
@@ -111,7 +117,19 @@ class DecodeWorker(WorkerRuntime):
                                                      num_resumed=job.num_resumed,
                                                      num_cached_tokens=job.num_cached_tokens)
         await msg.ack()
-        asyncio.create_task(self._stream(stream, job.attempt, job.num_prompt_tokens, job.num_cached_tokens, timing))
+        asyncio.create_task(self._stream(stream, job.attempt, job.num_prompt_tokens, job.num_cached_tokens, timing,
+                                         span))
+
+    def _job_span(self, name: str, msg, rid: str, attempt: int, created_at: float, taken: float) -> tracing.Span:
+        """This worker's span of a job, in the trace the job's headers carry, from its publication
+        (the queue wait is its first child)."""
+        span = tracing.tracer.start_span(
+            name, context=tracing.context_from(msg.headers), kind=tracing.SpanKind.CONSUMER,
+            start_time=int((created_at or taken) * 1e9),
+            attributes={"pdserve.request_id": rid, "pdserve.worker": self.config.instance, "pdserve.attempt": attempt})
+        if created_at:
+            tracing.span_at(f"{name}.queue", span, created_at, taken)
+        return span
 
     async def _read_blocks(self, job: DecodeJob, timing: Timing):
         """The job's blocks as a tensor, or None when they cannot be had (missing, corrupt, store
@@ -152,19 +170,26 @@ class DecodeWorker(WorkerRuntime):
             return
         log.info("took request %s (%d tokens, whole)", rid, len(job.prompt_ids) + index)
         await self.publish_tokens(rid, index, [])  # "taken"
+        span = self._job_span("generate", msg, rid, job.attempt, job.created_at, taken)
         stream = self.async_engine.add_request(rid, job.prompt_ids + job.resume_ids, params, num_resumed=index)
         await msg.ack()
         timing = Timing(queue_s=max(0.0, taken - job.created_at) if job.created_at else 0.0)
-        asyncio.create_task(self._stream(stream, job.attempt, len(job.prompt_ids), 0, timing))
+        asyncio.create_task(self._stream(stream, job.attempt, len(job.prompt_ids), 0, timing, span))
 
     # ------------------------------------------------------------------------------ streaming
 
     async def _stream(self, stream: RequestStream, attempt: int, prompt_tokens: int, cached_tokens: int,
-                      timing: Timing) -> None:
+                      timing: Timing, span: tracing.Span) -> None:
         """Publish a request's outputs as TokenEvents until it ends."""
+        t0 = time.time()
         try:
             await self._publish_outputs(stream, prompt_tokens, cached_tokens, timing)
         finally:
+            tracing.span_at("decode.compute", span, t0, time.time(),
+                            **{"pdserve.decode_seconds": timing.decode_compute_s,
+                               "pdserve.decode_core_seconds": timing.decode_core_s,
+                               "pdserve.prefill_seconds_here": timing.prefill_compute_s})
+            span.end()
             self.done(stream.request_id, attempt)
 
     async def _publish_outputs(self, stream: RequestStream, prompt_tokens: int, cached_tokens: int,

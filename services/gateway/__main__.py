@@ -17,6 +17,7 @@ from services.gateway.config import MODES, GatewayConfig
 from services.gateway.cost import Price
 from services.gateway.server import serve
 from shared.cli_args import add_connection_args, connection_fields
+from shared.telemetry import tracing
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,7 +103,11 @@ async def _run(config: GatewayConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)  # signal → Event → stop taking work → drain → close
-    await serve(config, stop)
+    tracing.setup("gateway", config.instance, config.otlp_endpoint, config.trace_sample_ratio)
+    try:
+        await serve(config, stop)
+    finally:
+        tracing.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -280,10 +280,11 @@ class Dispatcher:
         return subjects.PREFILL_JOBS
 
     async def open(self, request_id: str, prompt_ids: list[int], params: SamplingMsg,
-                   after: RequestChannel | None = None) -> RequestChannel:
+                   after: RequestChannel | None = None, headers: dict[str, str] | None = None) -> RequestChannel:
         """Subscribe, then publish the job — or, with `after` (another choice of the same prompt,
         n > 1), publish it once that one has `progressed`, so its prompt blocks are in the prefix
-        cache and this job computes only the prompt's last, partial block."""
+        cache and this job computes only the prompt's last, partial block. `headers`: the trace
+        context every attempt of the job carries (a migration continues the same trace)."""
         cfg = self._config
         now = time.time()
         job = PrefillJob(request_id=request_id, prompt_ids=prompt_ids, params=params, created_at=now,
@@ -292,7 +293,8 @@ class Dispatcher:
         async def resubmit(resume_ids: list[int], attempt: int) -> None:
             again = msgspec.structs.replace(job, resume_ids=resume_ids, attempt=attempt, created_at=time.time())
             # through the prefill queue in every mode: prompt + resumed tokens is a long prompt
-            await self._js.publish(subjects.PREFILL_JOBS, encode(again), timeout=cfg.publish_timeout_s)
+            await self._js.publish(subjects.PREFILL_JOBS, encode(again), timeout=cfg.publish_timeout_s,
+                                   headers=headers)
 
         channel = RequestChannel(
             self._nc, request_id, inactivity_timeout_s=cfg.inactivity_timeout_s, deadline_s=cfg.request_timeout_s,
@@ -305,24 +307,24 @@ class Dispatcher:
         try:
             await channel.subscribe()  # first: no event can slip past us
             if after is None:
-                await self._js.publish(subject, encode(job), timeout=cfg.publish_timeout_s)
+                await self._js.publish(subject, encode(job), timeout=cfg.publish_timeout_s, headers=headers)
         except (NatsError, TimeoutError) as exc:
             log.warning("request %s: could not publish the job: %s", request_id, exc)
             await channel.close("the job could not be published")
             raise service_unavailable(f"the job queue is unavailable ({type(exc).__name__}); retry shortly",
                                       code="queue_unavailable") from None
         if after is not None:
-            channel.publish_task = asyncio.create_task(self._publish_after(channel, after, subject, job))
+            channel.publish_task = asyncio.create_task(self._publish_after(channel, after, subject, job, headers))
         return channel
 
     async def _publish_after(self, channel: RequestChannel, after: RequestChannel, subject: str,
-                             job: PrefillJob) -> None:
+                             job: PrefillJob, headers: dict[str, str] | None) -> None:
         await after.progressed.wait()
         if channel.aborted or channel.closed:
             return
         job = msgspec.structs.replace(job, created_at=time.time())
         try:
-            await self._js.publish(subject, encode(job), timeout=self._config.publish_timeout_s)
+            await self._js.publish(subject, encode(job), timeout=self._config.publish_timeout_s, headers=headers)
         except (NatsError, TimeoutError) as exc:
             log.warning("request %s: could not publish the job: %s", job.request_id, exc)
             channel.fail(ErrorCode.UNAVAILABLE, f"the job queue is unavailable ({type(exc).__name__}); retry shortly")

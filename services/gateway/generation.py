@@ -17,6 +17,7 @@ from services.gateway.dispatch import RequestChannel, StreamError
 from services.gateway.errors import APIError, from_error_code
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.output import OutputText
+from services.gateway.trace import RequestTrace
 from shared.protocol.messages import ErrorCode, Timing, TokenEvent, TokenLogprobs, Usage
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ class Step:
 class Generation:
     def __init__(self, channel: RequestChannel, output: OutputText, *, num_prompt_tokens: int,
                  metrics: GatewayMetrics, ticket: Ticket, arrived: float, index: int = 0,
-                 operation: str = "chat") -> None:
+                 operation: str = "chat", trace: RequestTrace | None = None) -> None:
         self.channel = channel
         # choice `index` of the request (n > 1); the request's TTFT, latency and outcome are its
         # first choice's, every choice's tokens count for ITL; the choices share the admission ticket
@@ -47,6 +48,7 @@ class Generation:
         self._ticket = ticket
         self._arrived = arrived  # time.perf_counter() when the HTTP request came in
         self._operation = operation  # GenAI's gen_ai.operation.name: "chat" | "text_completion"
+        self._trace = trace
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
         self.status = "cancelled"  # requests_total label; set as the request ends
@@ -129,6 +131,8 @@ class Generation:
         now = time.perf_counter()
         if self._last_token_at is None:
             self._first_token_at = now
+            if self._trace is not None and self.index == 0:
+                self._trace.first_token()
             if self.index == 0:
                 self._metrics.ttft.observe(now - self._arrived)
             self._ticket.first_token()

@@ -22,6 +22,7 @@ from typing import Any
 from services.gateway.cost import Price, RequestCost, timing_ms
 from services.gateway.logprobs import LogprobFormat
 from services.gateway.tools import ToolRequest, split_message
+from services.gateway.trace import RequestTrace
 from shared.protocol.messages import Timing, Usage
 
 
@@ -36,6 +37,7 @@ class ResponseMeta:
     continuous_usage: bool = False
     tools: ToolRequest | None = None  # chat with tools: each choice's text is parsed for tool calls
     price: Price = field(default_factory=Price)
+    trace: RequestTrace | None = None  # the request's span: ended when the response is complete
 
     @property
     def id(self) -> str:

@@ -26,6 +26,7 @@ from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.output import OutputText
 from services.gateway.prompts import chat_prompt_ids, check_model, normalize_messages, prepare
 from services.gateway.tools import parse_tools
+from services.gateway.trace import RequestTrace
 from services.gateway.responses import ResponseMeta
 from services.gateway.streaming import CLIENT_GONE, SSEResponse, collect, sse_body
 
@@ -207,12 +208,16 @@ async def _generate(request: Request, schema: type[schemas.GenerationRequest], k
         state.metrics.count("rejected")
         raise
     channels: list = []
+    trace = RequestTrace(request.headers, "chat" if kind == "chat" else "text_completion", state.model.name,
+                         request.method, request.url.path)
     try:
         req = schemas.parse(schema, await read_json(request, state.config.max_body_bytes))
         prepared = await prepare(req, state.model, state.config.default_max_tokens)
         await state.require_workers()
         request_id = uuid.uuid4().hex
         params = prepared.params
+        trace.dispatched(request_id, params, len(prepared.prompt_ids), prepared.num_candidates)
+        headers = trace.headers()
         rank = prepared.num_candidates > prepared.num_choices and params.logprobs is None
         if rank:  # best_of ranks the candidates by their tokens' log-probabilities
             params = msgspec.structs.replace(params, logprobs=0)
@@ -221,13 +226,14 @@ async def _generate(request: Request, schema: type[schemas.GenerationRequest], k
             rid = request_id if prepared.num_candidates == 1 else f"{request_id}-{i}"
             seeded = params if params.seed is None or i == 0 else msgspec.structs.replace(params, seed=params.seed + i)
             channels.append(await state.dispatcher.open(rid, prepared.prompt_ids, seeded,
-                                                        after=channels[0] if i else None))
+                                                        after=channels[0] if i else None, headers=headers))
         ticket.dispatched()
     except BaseException as exc:
         ticket.release()
         state.metrics.count(_outcome(exc) if isinstance(exc, APIError) else "error")
         for channel in channels:  # choices already published (n > 1) are cancelled
             await channel.close("the request failed")
+        trace.finish(error=exc.message if isinstance(exc, APIError) else type(exc).__name__)
         raise
 
     tokenizer = state.model.tokenizer
@@ -235,11 +241,11 @@ async def _generate(request: Request, schema: type[schemas.GenerationRequest], k
         Generation(channel, OutputText(tokenizer, prepared.prompt_ids, stop=params.stop, min_tokens=params.min_tokens,
                                        skip_special_tokens=params.skip_special_tokens),
                    num_prompt_tokens=len(prepared.prompt_ids), metrics=state.metrics, ticket=ticket, arrived=arrived,
-                   index=i, operation="chat" if kind == "chat" else "text_completion")
+                   index=i, operation="chat" if kind == "chat" else "text_completion", trace=trace)
         for i, channel in enumerate(channels)]
     request.scope.setdefault("state", {})["generations"] = generations  # for the access log
     meta = ResponseMeta(kind, request_id, state.model.name, echo=prepared.echo, continuous_usage=prepared.continuous_usage,
-                        tools=prepared.tools, price=state.config.price,
+                        tools=prepared.tools, price=state.config.price, trace=trace,
                         logprobs=LogprobFormat(tokenizer, kind) if params.logprobs is not None else None)
     log.debug("request %s: %d prompt tokens, max_tokens %d, n %d, stream=%s", request_id, len(prepared.prompt_ids),
               params.max_tokens, len(generations), prepared.stream)

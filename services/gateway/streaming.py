@@ -55,6 +55,8 @@ async def sse_body(generations: list[Generation], meta: ResponseMeta, include_us
     parsers = [meta.tools.parser() if meta.tools is not None else None for _ in generations]
     usages: list[Usage | None] = [None] * len(generations)  # each choice's final usage, once it has ended
     timings: list[Timing] = [Timing()] * len(generations)
+    reasons: list[str] = []
+    error: str | None = None
     echo_later = bool(meta.echo) and meta.logprobs is not None  # with the prompt's log-probabilities
     try:
         for g in generations:
@@ -73,17 +75,34 @@ async def sse_body(generations: list[Generation], meta: ResponseMeta, include_us
                     usages[g.index] = step.usage
                 if step.timing is not None:
                     timings[g.index] = step.timing
+                if step.finish_reason is not None:
+                    reasons.append(step.finish_reason)
                 so_far = _usage_so_far(generations, usages) if meta.continuous_usage else None
                 for chunk in _step_chunks(meta, g.index, formats[g.index], step, so_far, parsers[g.index]):
                     yield sse(chunk)
             if include_usage and all(u is not None for u in usages):
                 yield sse(usage_chunk(meta, total_usage(usages), timings))
         except APIError as exc:
+            error = exc.message
             yield sse(exc.body())
         if not any(g.channel.aborted for g in generations):
             yield SSE_DONE
+        elif error is None:
+            error = "the client disconnected"
     finally:
         await _close_all(generations)
+        _finish_trace(meta, generations, usages, reasons, timings, error)
+
+
+def _finish_trace(meta: ResponseMeta, generations: list[Generation], usages: list[Usage | None], reasons: list[str],
+                  timings: list[Timing], error: str | None) -> None:
+    if meta.trace is None:
+        return
+    done = [u for u in usages if u is not None]
+    if error is None and len(done) < len(generations):
+        error = "the response ended early"
+    meta.trace.finish(total_usage(done) if done else None, reasons, timings, error=error,
+                      attempts=max(g.channel.migrations for g in generations))
 
 
 def _formats(meta: ResponseMeta, n: int) -> list[lp.LogprobFormat | None]:
@@ -199,6 +218,7 @@ async def collect(generations: list[Generation], meta: ResponseMeta, receive: Re
     highest mean token log-probability. Errors propagate as APIError (→ HTTP status)."""
     watcher = watch_disconnect(receive, lambda: [g.channel.abort(CLIENT_GONE) for g in generations])
     formats = _formats(meta, len(generations))
+    error: str | None = None
     texts: list[list[str]] = [[] for _ in generations]
     logprobs: list[list[dict | None]] = [[] for _ in generations]
     finals: list[Step | None] = [None] * len(generations)
@@ -212,6 +232,7 @@ async def collect(generations: list[Generation], meta: ResponseMeta, receive: Re
             if step.finish_reason is not None:
                 finals[g.index] = step
         if any(f is None or f.usage is None for f in finals):  # the client left: nobody reads this
+            error = "the client disconnected"
             return Response(status_code=499)
         results = [ChoiceResult("".join(t), f.finish_reason, f.stop_reason, f.usage, lp.join(parts),
                                 f.timing or Timing()) for t, f, parts in zip(texts, finals, logprobs)]
@@ -223,9 +244,15 @@ async def collect(generations: list[Generation], meta: ResponseMeta, receive: Re
             for r in results:
                 r.logprobs = None
         return JSONResponse(full_response(meta, results, usage, timings))
+    except APIError as exc:
+        error = exc.message
+        raise
     finally:
         watcher.cancel()
         await _close_all(generations)
+        ended = [f for f in finals if f is not None]
+        _finish_trace(meta, generations, [f.usage if f is not None else None for f in finals],
+                      [f.finish_reason for f in ended], [f.timing or Timing() for f in ended] or [Timing()], error)
 
 
 def _mean_logprob(choice: ChoiceResult) -> float:

@@ -21,6 +21,7 @@ from shared.engine.sequence import FinishReason
 from shared.kvcache.block_hash import block_keys
 from shared.protocol import subjects
 from shared.protocol.messages import DecodeJob, ErrorCode, KVBlockRef, PrefillJob, Timing, encode
+from shared.telemetry import tracing
 from shared.transport import nats_bus
 from shared.transport.kv_client import KVStoreClient, KVStoreError
 from shared.transport.worker import WorkerRuntime, attach_kvstore, keep_in_progress, safe, wait_any
@@ -76,20 +77,28 @@ class PrefillWorker(WorkerRuntime):
         taken = time.time()
         rid = job.request_id
         index = len(job.resume_ids)
+        span = tracing.tracer.start_span(
+            "prefill", context=tracing.context_from(msg.headers), kind=tracing.SpanKind.CONSUMER,
+            start_time=int((job.created_at or taken) * 1e9),
+            attributes={"pdserve.request_id": rid, "pdserve.worker": self.config.instance,
+                        "pdserve.attempt": job.attempt, "gen_ai.usage.input_tokens": len(job.prompt_ids)})
+        if job.created_at:
+            tracing.span_at("prefill.queue", span, job.created_at, taken)
         keep_alive = asyncio.create_task(keep_in_progress(msg, self.config.ack_wait_s))
         try:
             params = await self.params_or_reject(msg, rid, job.params, index, index)
             if params is None:
                 return
             await self.publish_tokens(rid, index, [])  # "taken": the gateway's wait is no longer a queue wait
-            await self._run_job(job, params, index, taken)
+            await self._run_job(job, params, index, taken, span)
             keep_alive.cancel()
             await msg.ack()
         finally:
             keep_alive.cancel()
+            span.end()
             self.done(rid, job.attempt)  # after the ack: a draining worker waits for this
 
-    async def _run_job(self, job: PrefillJob, params, index: int, taken: float) -> None:
+    async def _run_job(self, job: PrefillJob, params, index: int, taken: float, span: tracing.Span) -> None:
         rid, tokens = job.request_id, job.prompt_ids + job.resume_ids
         bs = self.engine.config.block_size
         # every full block's key (none with prefix caching off: nothing is looked up or indexed)
@@ -111,8 +120,8 @@ class PrefillWorker(WorkerRuntime):
             lease, hits, prefix, segment, t_read = "", [], None, "", 0.0
         self.prefix_queries += len(lookup_keys)
         self.prefix_hits += len(hits)
-
         t0 = time.time()
+        tracing.span_at("kv.lookup", span, taken, t0, **{"pdserve.cached_tokens": len(hits) * bs})
         stream = self.async_engine.add_request(rid, tokens, params, prefill_only=True, prefix_kv=prefix,
                                                num_resumed=index)
         item = await stream.get()
@@ -122,6 +131,9 @@ class PrefillWorker(WorkerRuntime):
             await self.publish_error(rid, index, ErrorCode.BAD_REQUEST, str(item.error))
             return
         out = item.output
+        tracing.span_at("prefill.compute", span, t0, t0 + prefill_s,
+                        **{"pdserve.prefill_seconds": out.prefill_compute_s,
+                           "pdserve.prefill_core_seconds": out.prefill_core_s})
         if out.finish_reason == FinishReason.ABORT:
             await self._release(lease)
             return
@@ -138,14 +150,17 @@ class PrefillWorker(WorkerRuntime):
             return
         await self.publish_tokens(rid, index, out.new_token_ids, logprobs=out.logprobs,  # token 1: this is TTFT
                                   prompt_logprobs=out.prompt_logprobs)
+        t_write = time.time()
         refs, lease, segment = await self._store_blocks(rid, item.kv_blocks, hits, keys, lease, segment, timing)
+        tracing.span_at("kv.write", span, t_write, time.time(), **{"pdserve.kv_bytes": timing.kv_bytes_written})
         decode_job = DecodeJob(
             request_id=rid, token_ids=tokens, first_token=out.new_token_ids[0], params=job.params,
             store=self.config.kvstore if refs else "", lease_id=lease, blocks=refs, segment=segment,
             num_cached_tokens=len(hits) * bs, num_prompt_tokens=len(job.prompt_ids), num_resumed=index,
             created_at=time.time(), deadline=job.deadline, attempt=job.attempt, timing=timing,
         )
-        await self.js.publish(subjects.DECODE_JOBS, encode(decode_job))
+        span.set_attributes({"pdserve.cached_tokens": len(hits) * bs, "pdserve.kv_bytes": timing.kv_bytes_written})
+        await self.js.publish(subjects.DECODE_JOBS, encode(decode_job), headers=tracing.headers_for(span))
 
     async def _store_blocks(self, rid: str, blocks: torch.Tensor, hits: list[KVBlockRef], keys: list[bytes],
                             lease: str, segment: str, timing: Timing) -> tuple[list[KVBlockRef], str, str]:

@@ -250,6 +250,10 @@ async def run_worker(worker: WorkerRuntime, grace_s: float = 10.0) -> None:
     `grace_s`), close connections."""
     import signal
 
+    from shared.telemetry import tracing
+
+    cfg = worker.config
+    tracing.setup(cfg.role, cfg.instance, cfg.otlp_endpoint, cfg.trace_sample_ratio)
     loop = asyncio.get_running_loop()
     draining = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -269,3 +273,4 @@ async def run_worker(worker: WorkerRuntime, grace_s: float = 10.0) -> None:
     if worker.attempts:
         log.warning("grace period over: handing back %d requests", len(worker.attempts))
     await worker.shutdown()
+    tracing.shutdown()
