@@ -146,6 +146,8 @@ class Generation:
         """Always called at the end: cancels the request on the workers unless they finished it,
         frees the admission slot, counts the outcome."""
         await self.channel.close(self._cancel_reason)
+        if self.channel.migrations:
+            self._metrics.migrations.inc(self.channel.migrations)
         self._ticket.release()
         if self.index == 0:
             self._metrics.count(self.status)

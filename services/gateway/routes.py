@@ -12,6 +12,7 @@ import json
 import logging
 import time
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -25,10 +26,10 @@ from services.gateway.logprobs import LogprobFormat
 from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.output import OutputText
 from services.gateway.prompts import chat_prompt_ids, check_model, normalize_messages, prepare
-from services.gateway.tools import parse_tools
-from services.gateway.trace import RequestTrace
 from services.gateway.responses import ResponseMeta
 from services.gateway.streaming import CLIENT_GONE, SSEResponse, collect, sse_body
+from services.gateway.tools import parse_tools
+from services.gateway.trace import RequestTrace
 
 if TYPE_CHECKING:
     from services.gateway.app import GatewayState
@@ -73,6 +74,20 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+_STATIC = Path(__file__).parent / "static"
+
+
+@router.get("/dashboard")
+async def dashboard() -> Response:
+    """The live dashboard: a page and a script that poll /metrics and /health (nothing from elsewhere)."""
+    return Response((_STATIC / "dashboard.html").read_bytes(), media_type="text/html; charset=utf-8")
+
+
+@router.get("/dashboard.js")
+async def dashboard_js() -> Response:
+    return Response((_STATIC / "dashboard.js").read_bytes(), media_type="text/javascript; charset=utf-8")
 
 
 def _model_card(state: GatewayState) -> dict[str, Any]:

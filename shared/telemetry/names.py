@@ -26,6 +26,7 @@ PREFILL_CORE_SECONDS = "pdserve_prefill_core_seconds_total"  # × each step's th
 DECODE_CORE_SECONDS = "pdserve_decode_core_seconds_total"
 KV_TRANSFER_BYTES = "pdserve_kv_transfer_bytes_total"
 COST = "pdserve_cost_total"  # {phase="prefill"|"decode"|"kv_transfer", currency}
+MIGRATIONS = "pdserve_migrations_total"  # requests resubmitted after their worker died or hung
 ENGINE_BUSY = "pdserve_engine_busy_seconds_total"  # per worker: step time, all of it charged to requests
 ENGINE_BUSY_CORE = "pdserve_engine_busy_core_seconds_total"
 # OpenTelemetry GenAI server metrics, in Prometheus form (dots → underscores, unit suffix)

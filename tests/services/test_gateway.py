@@ -11,10 +11,12 @@ import contextlib
 import inspect
 import json
 import logging
+import re
 import threading
 import time
 from collections import defaultdict
 from dataclasses import replace
+from pathlib import Path
 
 import httpx
 import openai
@@ -770,6 +772,26 @@ async def test_priced_gateway_reports_cost_in_usage_and_counters(make_gateway, p
         assert sum(ttft.values()) == 2 and {dict(k)["gen_ai_operation_name"] for k in ttft} == {"chat",
                                                                                                "text_completion"}
         assert sum(samples["gen_ai_server_request_duration_seconds_count"].values()) == 2
+
+
+async def test_dashboard_and_grafana_read_only_metrics_that_exist(client):
+    """/dashboard serves its page and script (nothing from another origin), and every metric the
+    script or the Grafana dashboard under deploy/ reads is one the gateway exports."""
+    resp = await client.post("/v1/chat/completions", json=CHAT)  # labelled counters appear with a request
+    assert resp.status_code == 200
+    page = await client.get("/dashboard")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert '<script src="/dashboard.js">' in page.text and "http" not in page.text.replace("http-equiv", "")
+    script = await client.get("/dashboard.js")
+    assert script.status_code == 200 and "javascript" in script.headers["content-type"]
+    assert not re.search(r"https?://", script.text)  # no CDN, no other host
+    exported = set((await metric_samples(client)).keys())
+    used = set(re.findall(r'"((?:pdserve|gen_ai)_[a-z_]+)"', script.text))
+    grafana = json.loads((Path(__file__).parents[2] / "deploy/grafana/pdserve-dashboard.json").read_text())
+    exprs = [t["expr"] for p in grafana["panels"] for t in p["targets"]]
+    used_by_grafana = set(re.findall(r"\b((?:pdserve|gen_ai)_[a-z_]+)", " ".join(exprs)))
+    assert len(used) >= 12 and len(used_by_grafana) >= 12
+    assert used - exported == set() and used_by_grafana - exported == set()
 
 
 def test_price_parses_and_rejects():

@@ -81,3 +81,68 @@ def test_one_trace_across_every_service_over_otlp(tmp_path_factory):
         assert phases == pytest.approx(total, rel=0.05)
     finally:
         stack.stop()
+
+
+@pytest.mark.slow
+def test_a_migrated_request_is_one_trace_with_both_attempts(tmp_path_factory):
+    """SIGKILL the decode worker streaming a traced request: the gateway resubmits it (attempt 1)
+    with the same trace context, so the trace holds the prefill spans of both attempts, the new
+    decode worker's span, and the request span counts one migration."""
+    import json
+    import signal
+    import threading
+
+    from tests.services.test_e2e import up
+
+    receiver = OTLPReceiver()
+    stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "2", "--otlp-endpoint", receiver.url)
+    try:
+        trace_id = "0af7651916cd43dd8448eb211c80319c"
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 400,
+                "ignore_eos": True, "temperature": 0, "stream": True}
+        first: dict = {}
+        got = threading.Event()
+        result: dict = {}
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120,
+                              headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        first.setdefault("id", chunk.get("id"))
+                        got.set()
+                        result.setdefault("errors", []).extend([chunk["error"]] if "error" in chunk else [])
+                result["done"] = True
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert got.wait(60)
+        rid = first["id"].removeprefix("chatcmpl-")
+        deadline = time.monotonic() + 30
+        victim = None
+        while victim is None and time.monotonic() < deadline:
+            for name in ("decode-0", "decode-1"):
+                if f"took request {rid}" in (stack.workdir / f"{name}.log").read_text():
+                    victim = name
+            time.sleep(0.05)
+        assert victim is not None
+        time.sleep(0.3)
+        stack.process(victim).send_signal(signal.SIGKILL)
+        t.join(120)
+        assert result.get("done") and not result.get("errors"), result
+        deadline = time.monotonic() + 30
+        while not any(s["name"].startswith("chat ") for s in receiver.trace(trace_id)):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        time.sleep(1.5)
+        spans = receiver.trace(trace_id)
+        prefills = sorted(s["attrs"]["pdserve.attempt"] for s in spans if s["name"] == "prefill")
+        decodes = [s for s in spans if s["name"] == "decode"]
+        assert prefills == [0, 1], [(s["service"], s["name"]) for s in spans]
+        assert [s["attrs"]["pdserve.attempt"] for s in decodes] == [1]  # the killed worker exported nothing more
+        assert decodes[0]["attrs"]["pdserve.worker"] != victim
+        [request] = [s for s in spans if s["name"].startswith("chat ")]
+        assert request["attrs"]["pdserve.migrations"] == 1 and request["attrs"]["gen_ai.usage.output_tokens"] == 400
+    finally:
+        stack.stop()
