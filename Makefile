@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install run generate test test-fast bench bench-compare model clean
+.PHONY: install run generate test test-fast bench bench-compare model tools clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,16 @@ run: install model
 generate: install model
 	$(BIN)/pdserve generate --chat --stats "What is the capital of France? Answer in one sentence."
 
-test: install model
+# the system tools some tests drive: chromium (the dashboard, headless) and promtool (the metrics
+# format); Debian packages, installed when missing and this is root on a Debian-like system
+APT_INSTALL = DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium prometheus >/dev/null
+tools:
+	@command -v chromium >/dev/null && command -v promtool >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    { $(APT_INSTALL) || { apt-get update -q >/dev/null && $(APT_INSTALL); }; }; } || \
+	  echo "make tools: chromium/promtool missing and not installable here; their tests will say so"
+
+test: install model tools
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test-fast: install
