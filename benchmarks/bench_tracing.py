@@ -24,10 +24,14 @@ from shared.transport.servers import free_port  # noqa: E402
 
 
 def one_run(traced: bool, receiver: OTLPReceiver, args, seed: int) -> dict:
+    """`args.where`: which services trace when on (all, or only the gateway / only the workers, to
+    find where a cost comes from)."""
     parser = argparse.ArgumentParser()
     add_up_args(parser)
     work = tempfile.mkdtemp(prefix="bench-tracing-")
-    argv = ["--port", str(free_port()), "--workdir", work] + (["--otlp-endpoint", receiver.url] if traced else [])
+    flag = {"all": ["--otlp-endpoint", receiver.url], "gateway": [f"--gateway-arg=--otlp-endpoint={receiver.url}"],
+            "workers": [f"--worker-arg=--otlp-endpoint={receiver.url}"]}[args.where]
+    argv = ["--port", str(free_port()), "--workdir", work] + (flag if traced else [])
     stack, url = start_stack(parser.parse_args(argv))
     try:
         wait_healthy(stack, url, timeout=180)
@@ -35,11 +39,14 @@ def one_run(traced: bool, receiver: OTLPReceiver, args, seed: int) -> dict:
         subprocess.run([sys.executable, "-m", "services.cli", "bench", "--base-url", url, "--workload", "chat",
                         "--num-requests", str(args.requests), "--max-concurrency", str(args.concurrency),
                         "--seed", str(seed), "--no-progress", "--out", str(out)], check=True, capture_output=True)
-        s = json.loads(out.read_text())["runs"][0]["summary"]
+        run = json.loads(out.read_text())["runs"][0]
     finally:
         stack.stop()
+    s = run["summary"]
+    ok = [r for r in run["records"] if r["status"] == "ok"]
+    tokens_per_chunk = sum(r["output_tokens"] for r in ok) / max(1, sum(len(r["token_times_s"]) for r in ok))
     return {"itl_p50": s["itl_ms"]["p50"], "itl_p99": s["itl_ms"]["p99"], "tpot_p50": s["tpot_ms"]["p50"],
-            "tok_s": s["output_throughput"], "failed": s["failed"]}
+            "tok_s": s["output_throughput"], "tokens_per_chunk": tokens_per_chunk, "failed": s["failed"]}
 
 
 def main() -> None:
@@ -47,6 +54,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--where", choices=["all", "gateway", "workers"], default="all",
+                    help="which services trace in the 'on' runs")
     ap.add_argument("--json", help="write the runs here")
     args = ap.parse_args()
     receiver = OTLPReceiver()
@@ -62,7 +71,7 @@ def main() -> None:
     on = [x for x in runs if x["traced"]]
     print("| measure | off (median) | on (median) | on / off (median of pairs) |")
     print("|---|---|---|---|")
-    for key in ("itl_p50", "itl_p99", "tpot_p50", "tok_s"):
+    for key in ("itl_p50", "itl_p99", "tpot_p50", "tok_s", "tokens_per_chunk"):
         ratios = [b[key] / a[key] for a, b in zip(off, on)]
         print(f"| {key} | {statistics.median(x[key] for x in off):.1f} | {statistics.median(x[key] for x in on):.1f} "
               f"| {statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f}) |")
