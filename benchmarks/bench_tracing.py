@@ -31,7 +31,7 @@ def one_run(traced: bool, receiver: OTLPReceiver, args, seed: int) -> dict:
     work = tempfile.mkdtemp(prefix="bench-tracing-")
     flag = {"all": ["--otlp-endpoint", receiver.url], "gateway": [f"--gateway-arg=--otlp-endpoint={receiver.url}"],
             "workers": [f"--worker-arg=--otlp-endpoint={receiver.url}"]}[args.where]
-    argv = ["--port", str(free_port()), "--workdir", work] + (flag if traced else [])
+    argv = ["--port", str(free_port()), "--workdir", work, *args.up_arg] + (flag if traced else [])
     stack, url = start_stack(parser.parse_args(argv))
     try:
         wait_healthy(stack, url, timeout=180)
@@ -56,6 +56,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--where", choices=["all", "gateway", "workers"], default="all",
                     help="which services trace in the 'on' runs")
+    ap.add_argument("--up-arg", action="append", default=[],
+                    help="extra `pdserve up` argument for every run, e.g. --up-arg=--speculative=off (one token "
+                         "per step: ITL is then comparable run to run)")
     ap.add_argument("--json", help="write the runs here")
     args = ap.parse_args()
     receiver = OTLPReceiver()
