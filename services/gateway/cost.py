@@ -67,6 +67,13 @@ class RequestCost:
     kv_bytes: int = 0
     kv_transfer_s: float = 0.0
 
+    @classmethod
+    def of(cls, timings: list[Timing]) -> RequestCost:
+        cost = cls()
+        for t in timings:
+            cost.add(t)
+        return cost
+
     def add(self, timing: Timing) -> None:
         self.prefill_s += timing.prefill_compute_s
         self.decode_s += timing.decode_compute_s

@@ -14,7 +14,7 @@ from typing import Any
 
 from services.gateway.errors import APIError, bad_request
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
-from services.gateway.structured import checked_constraint
+from services.gateway.structured import checked_constraint, combined_constraint
 from services.gateway.tools import ToolRequest, hermes_messages, parse_tools
 from shared.model.chat_template import ROLES, ChatTemplateError, render_chat, template_variables
 from shared.model.grammar import GrammarCompiler
@@ -214,8 +214,9 @@ async def prepare(req: CompletionRequest | ChatCompletionRequest, model: ModelIn
         requested = req.max_tokens
     max_tokens = resolve_max_tokens(len(prompt_ids), requested, model.max_model_len, default_max_tokens)
     params = sampling_msg(req, max_tokens, tokenizer.vocab_size)
-    forced = tools.constraint() if tools is not None else None
-    params.constraint = await asyncio.to_thread(checked_constraint, req, model.grammar, forced)
+    found = combined_constraint(req, tools.constraint() if tools is not None else None)
+    if found is not None:  # compiling can take a while: off the event loop (free text costs nothing here)
+        params.constraint = await asyncio.to_thread(checked_constraint, found, model.grammar)
     echo = ""
     if isinstance(req, CompletionRequest) and req.echo:
         prompt = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) \

@@ -54,10 +54,7 @@ class ResponseMeta:
 
 def breakdown(meta: ResponseMeta, timings: list[Timing]) -> dict[str, Any]:
     """usage.timing_ms (choice 0's) and usage.cost (every choice's, best_of candidates included)."""
-    cost = RequestCost()
-    for t in timings:
-        cost.add(t)
-    return {"timing_ms": timing_ms(timings[0]), "cost": cost.to_json(meta.price)}
+    return {"timing_ms": timing_ms(timings[0]), "cost": RequestCost.of(timings).to_json(meta.price)}
 
 
 def usage_dict(usage: Usage, extra: dict[str, Any] | None = None) -> dict[str, Any]:

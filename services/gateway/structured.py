@@ -77,18 +77,19 @@ def _constraint(kind: str, value: Any, name: str) -> Constraint:
     return Constraint(kind, value)
 
 
-def checked_constraint(req: Any, compiler: GrammarCompiler, tool_constraint: Constraint | None = None
-                       ) -> ConstraintMsg | None:
-    """The request's constraint compiled once against the model's vocabulary (400 naming the error);
-    `tool_constraint`: what a forced tool_choice makes the model write."""
+def combined_constraint(req: Any, tool_constraint: Constraint | None) -> tuple[str, Constraint] | None:
+    """The request's one constraint, `tool_constraint` (what a forced tool_choice makes the model
+    write) included; 400 where a forced call meets a structured output."""
     found = request_constraint(req)
-    if tool_constraint is not None:
-        if found is not None:
-            raise bad_request(f"'{found[0]}' cannot be combined with a tool_choice that forces a call",
-                              param=found[0])
-        found = ("tools", tool_constraint)
-    if found is None:
-        return None
+    if tool_constraint is None:
+        return found
+    if found is not None:
+        raise bad_request(f"'{found[0]}' cannot be combined with a tool_choice that forces a call", param=found[0])
+    return "tools", tool_constraint
+
+
+def checked_constraint(found: tuple[str, Constraint], compiler: GrammarCompiler) -> ConstraintMsg:
+    """A constraint compiled once against the model's vocabulary (400 naming the error)."""
     field, c = found
     try:
         compiler.check(c)

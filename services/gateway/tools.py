@@ -164,7 +164,6 @@ class ToolCallParser:
     request: ToolRequest
     calls: list[dict[str, Any]] = field(default_factory=list)
     _buffer: str = ""
-    _args: list[str] = field(default_factory=list)  # named: the arguments so far
 
     def push(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         mode = self.request.choice

@@ -67,9 +67,7 @@ class RequestTrace:
             if finish_reasons:
                 attrs["gen_ai.response.finish_reasons"] = finish_reasons
             if timings:
-                cost = RequestCost()
-                for t in timings:
-                    cost.add(t)
+                cost = RequestCost.of(timings)
                 attrs |= {"pdserve.prefill_seconds": cost.prefill_s, "pdserve.decode_seconds": cost.decode_s,
                           "pdserve.kv_bytes": cost.kv_bytes, "pdserve.kv_transfer_seconds": cost.kv_transfer_s}
             self.span.set_attributes(attrs)

@@ -12,9 +12,9 @@ import pytest
 
 from shared.config import EngineConfig, SpecConfig
 from shared.engine.engine import LLMEngine, RequestError
-from shared.model.chat_template import render_chat
 from shared.model.sampling import Constraint, SamplingParams
 from tests.data.json_schemas import SCHEMAS
+from tests.engine.test_generate_real_model import chat_ids
 
 pytestmark = pytest.mark.slow
 
@@ -31,11 +31,8 @@ def plain_engine(default_gguf):
                                               speculative=SpecConfig(mode="off")))
 
 
-def chat_ids(engine, question: str) -> list[int]:
-    tok = engine.tokenizer
-    text = render_chat(tok.chat_template, [{"role": "user", "content": f"{question} Answer in JSON."}],
-                       add_generation_prompt=True)
-    return tok.encode(text, add_special_tokens=False)
+def json_chat_ids(engine, question: str) -> list[int]:
+    return chat_ids(engine, f"{question} Answer in JSON.")
 
 
 def json_params(schema: dict, **kw) -> SamplingParams:
@@ -51,7 +48,7 @@ def check_all_valid(outs) -> list[str]:
 
 def test_every_schema_greedy_validates_and_speculation_changes_nothing(engine, plain_engine):
     assert len(SCHEMAS) >= 30
-    prompts = [chat_ids(engine, q) for _, q, _ in SCHEMAS]
+    prompts = [json_chat_ids(engine, q) for _, q, _ in SCHEMAS]
     params = [json_params(s, temperature=0.0) for _, _, s in SCHEMAS]
     plain = check_all_valid(plain_engine.generate(prompts, params))
     first = check_all_valid(engine.generate(prompts, params))
@@ -64,7 +61,7 @@ def test_every_schema_greedy_validates_and_speculation_changes_nothing(engine, p
 
 
 def test_every_schema_sampled_validates(engine):
-    prompts = [chat_ids(engine, q) for _, q, _ in SCHEMAS]
+    prompts = [json_chat_ids(engine, q) for _, q, _ in SCHEMAS]
     outs = engine.generate(prompts, [json_params(s, temperature=1.0, seed=i) for i, (_, _, s) in enumerate(SCHEMAS)])
     texts = check_all_valid(outs)
     assert len(set(texts)) > len(texts) // 2  # sampling, not one answer
@@ -72,7 +69,7 @@ def test_every_schema_sampled_validates(engine):
 
 def test_constraint_crosses_the_prefill_decode_split(engine, plain_engine):
     cases = SCHEMAS[:6]
-    prompts = [chat_ids(engine, q) for _, q, _ in cases]
+    prompts = [json_chat_ids(engine, q) for _, q, _ in cases]
     params = [json_params(s, temperature=0.7, seed=7) for _, _, s in cases]
     colocated = plain_engine.generate(prompts, params)
     for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -95,7 +92,7 @@ def test_constraint_crosses_the_prefill_decode_split(engine, plain_engine):
 def test_a_migrated_request_resumes_inside_its_grammar(plain_engine):
     """The resumed tokens (the tail of the prompt on the new worker) advance the matcher first."""
     _, q, schema = SCHEMAS[0]
-    prompt = chat_ids(plain_engine, q)
+    prompt = json_chat_ids(plain_engine, q)
     params = json_params(schema, temperature=0.0)
     [whole] = plain_engine.generate([prompt], params)
     k = 5
@@ -116,7 +113,7 @@ def test_regex_choice_and_grammar(engine):
          r"(hello|hi) [a-z]{1,8}"),
     ]
     for temperature in (0.0, 1.0):
-        outs = engine.generate([chat_ids(engine, q) for q, _, _ in cases],
+        outs = engine.generate([json_chat_ids(engine, q) for q, _, _ in cases],
                                [SamplingParams(max_tokens=40, temperature=temperature, seed=1, constraint=c)
                                 for _, c, _ in cases])
         for (_, _, pattern), out in zip(cases, outs):
