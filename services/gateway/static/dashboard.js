@@ -15,7 +15,10 @@ const M = {
   blocks: "pdserve_kv_blocks_in_use",
   prefixQueries: "pdserve_prefix_cache_queries_total",
   prefixHits: "pdserve_prefix_cache_hits_total",
-  generated: "pdserve_generation_tokens_total",
+  // tokens as they stream: every token after a choice's first is one ITL observation, every first
+  // token one TTFT observation (the generation-token counter moves only when a request ends)
+  itlCount: "pdserve_inter_token_latency_seconds_count",
+  ttftCount: "pdserve_time_to_first_token_seconds_count",
   prefillCore: "pdserve_prefill_core_seconds_total",
   decodeCore: "pdserve_decode_core_seconds_total",
   cost: "pdserve_cost_total",
@@ -112,7 +115,7 @@ const PANELS = [
   { title: "TTFT (ms)", values: () => ({ p50: ms(quantile(0.5, M.ttft)), p90: ms(quantile(0.9, M.ttft)),
                                           p99: ms(quantile(0.99, M.ttft)) }) },
   { title: "ITL (ms)", values: () => ({ p50: ms(quantile(0.5, M.itl)), p99: ms(quantile(0.99, M.itl)) }) },
-  { title: "Output tokens / s", values: () => ({ "tok/s": rate(M.generated) }) },
+  { title: "Output tokens / s", values: () => ({ "tok/s": rate(M.itlCount) + rate(M.ttftCount) }) },
   { title: "Requests running (per instance)", values: () => byInstance(M.running) },
   { title: "Requests waiting (per instance)", values: () => byInstance(M.waiting) },
   { title: "KV blocks in use (per instance)", values: () => byInstance(M.blocks) },
