@@ -157,9 +157,10 @@ def test_decode_worker_killed_40_streams_migrate_and_complete(tmp_path_factory):
     undisturbed answer (no gap, no duplicate), and afterwards no block is in use anywhere."""
     stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "2", "--gateway-arg=--inactivity-timeout=30")
     prompts = [f"Write a short story about a robot named Unit {i}." for i in range(40)]
+    tokens = 96  # long enough (ignore_eos) that decode-0's streams are still running at the kill
     try:
-        expected = undisturbed(url, prompts, 48)
-        results, threads = streams_reaching_decode0(stack, url, prompts, 48, settle_s=0.5)
+        expected = undisturbed(url, prompts, tokens)
+        results, threads = streams_reaching_decode0(stack, url, prompts, tokens, settle_s=0.5)
         t_kill = time.monotonic()
         stack.process("decode-0").send_signal(signal.SIGKILL)
         join_all(threads, 180)
