@@ -124,3 +124,8 @@ class WorkerConfig(ConnectionConfig):
             raise ValueError(f"kv_failure_policy must be recompute or fail, got {self.kv_failure_policy!r}")
         if self.max_inflight <= 0:
             raise ValueError("max_inflight must be positive")
+        for name in ("instance", "kvstore"):  # both end up in NATS subjects
+            value = getattr(self, name)
+            if not value or any(c in value for c in ".*> \t\r\n"):
+                raise ValueError(f"worker {name} {value!r} must be one NATS subject token: no dots, wildcards "
+                                 "or spaces")

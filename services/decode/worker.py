@@ -31,6 +31,7 @@ class DecodeWorker(WorkerRuntime):
     def __init__(self, config: WorkerConfig, engine: LLMEngine):
         super().__init__(config, engine)
         self.kv: KVStoreClient | None = None
+        self._stores: dict[str, KVStoreClient] = {}  # other hosts' kvstores (network path)
 
     async def run(self) -> None:
         await self.start()
@@ -39,7 +40,9 @@ class DecodeWorker(WorkerRuntime):
         if c.role == "colocated":
             sub = await nats_bus.pull_subscription(self.js, subjects.PREFILL_STREAM, "prefill", subjects.PREFILL_JOBS,
                                                    ack_wait=c.ack_wait_s, max_deliver=c.max_deliver)
-            consumers.append((sub, self._take_whole))
+            own = await nats_bus.worker_subscription(self.js, subjects.PREFILL_STREAM, subjects.PREFILL_JOBS,
+                                                     c.instance, ack_wait=c.ack_wait_s, max_deliver=c.max_deliver)
+            consumers += [(own, self._take_whole), (sub, self._take_whole)]
         else:
             self.kv = await attach_kvstore(self.nc, c, self.engine)
             jobs = await nats_bus.pull_subscription(self.js, subjects.DECODE_STREAM, "decode", subjects.DECODE_JOBS,
@@ -47,7 +50,9 @@ class DecodeWorker(WorkerRuntime):
             direct = await nats_bus.pull_subscription(self.js, subjects.DECODE_STREAM, "decode-direct",
                                                       subjects.DECODE_DIRECT, ack_wait=c.ack_wait_s,
                                                       max_deliver=c.max_deliver)
-            consumers += [(jobs, self._take_decode), (direct, self._take_whole)]
+            own = await nats_bus.worker_subscription(self.js, subjects.DECODE_STREAM, subjects.DECODE_DIRECT,
+                                                     c.instance, ack_wait=c.ack_wait_s, max_deliver=c.max_deliver)
+            consumers += [(jobs, self._take_decode), (direct, self._take_whole), (own, self._take_whole)]
         self.ready()
         await asyncio.gather(*(self._pull(sub, take) for sub, take in consumers))
 
@@ -138,8 +143,9 @@ class DecodeWorker(WorkerRuntime):
             return None
         t0 = time.time()
         try:
+            store = await self._store(job.store)
             out = self.engine.kv_cache.empty_blocks(len(job.blocks))
-            await self.kv.read_blocks(job.lease_id, job.blocks, out, segment=job.segment)
+            await store.read_blocks(job.lease_id, job.blocks, out, segment=job.segment)
             timing.kv_read_s += time.time() - t0
             timing.kv_bytes_read += out.nbytes
             return out
@@ -149,10 +155,26 @@ class DecodeWorker(WorkerRuntime):
         finally:
             await self._release(job)
 
+    async def _store(self, name: str) -> KVStoreClient:
+        """The client of kvstore `name`: this host's (shared memory), or another host's, attached on
+        first use over the network path (the prefill worker that wrote the blocks was there)."""
+        if not name or name == self.config.kvstore:
+            return self.kv
+        client = self._stores.get(name)
+        if client is None:
+            client = KVStoreClient(self.nc, name, use_shm=False)
+            info = await client.attach()
+            if info.block_bytes != self.engine.kv_cache.block_bytes:
+                raise KVStoreError(ErrorCode.BAD_REQUEST, f"kvstore {name} keeps {info.block_bytes}-byte blocks, "
+                                                          f"this worker's are {self.engine.kv_cache.block_bytes}")
+            log.info("reading KV from kvstore %s (another host) over the network path", name)
+            self._stores[name] = client
+        return client
+
     async def _release(self, job: DecodeJob) -> None:
         if job.lease_id and self.kv is not None:
             try:
-                await self.kv.release(job.lease_id)
+                await (await self._store(job.store)).release(job.lease_id)
             except KVStoreError as exc:
                 log.warning("lease %s not released (%s); it will expire", job.lease_id, exc)
 

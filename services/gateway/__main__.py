@@ -13,7 +13,7 @@ import signal
 import socket
 import sys
 
-from services.gateway.config import MODES, GatewayConfig
+from services.gateway.config import MODES, ROUTERS, GatewayConfig
 from services.gateway.cost import Price
 from services.gateway.server import serve
 from shared.cli_args import add_connection_args, connection_fields
@@ -36,6 +36,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, default=env("PDSERVE_MODE", defaults.mode))
     p.add_argument("--conditional-threshold", type=int,
                    default=int(env("PDSERVE_CONDITIONAL_THRESHOLD", defaults.conditional_threshold)))
+    p.add_argument("--conditional-busy-threshold", type=int,
+                   default=int(env("PDSERVE_CONDITIONAL_BUSY_THRESHOLD", defaults.conditional_busy_threshold)),
+                   help="conditional mode: uncached prompts up to this long also go to decode while the prefill "
+                        "queue holds more than --conditional-queue-tokens")
+    p.add_argument("--conditional-queue-tokens", type=int,
+                   default=int(env("PDSERVE_CONDITIONAL_QUEUE_TOKENS", defaults.conditional_queue_tokens)))
+    p.add_argument("--router", choices=ROUTERS, default=env("PDSERVE_ROUTER", defaults.router),
+                   help="how each job's worker is chosen (default: cache-aware: fewest blocks left to compute "
+                        "plus load, with a hot-spot guard)")
+    p.add_argument("--hot-spot-factor", type=float,
+                   default=float(env("PDSERVE_HOT_SPOT_FACTOR", defaults.hot_spot_factor)),
+                   help="cache-aware: a worker loaded above the mean by this factor is not chosen for its cache")
     p.add_argument("--max-concurrent-requests", type=int,
                    default=int(env("PDSERVE_MAX_CONCURRENT_REQUESTS", defaults.max_concurrent_requests)))
     p.add_argument("--max-body-bytes", type=int, default=int(env("PDSERVE_MAX_BODY_BYTES", defaults.max_body_bytes)))
@@ -90,6 +102,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         host=args.host, port=args.port, instance=args.instance, **connection_fields(args), model=args.model,
         served_model_name=args.served_model_name,
         max_model_len=args.max_model_len, mode=args.mode, conditional_threshold=args.conditional_threshold,
+        conditional_busy_threshold=args.conditional_busy_threshold,
+        conditional_queue_tokens=args.conditional_queue_tokens, router=args.router,
+        hot_spot_factor=args.hot_spot_factor,
         max_concurrent_requests=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens, inactivity_timeout_s=args.inactivity_timeout, queue_timeout_s=args.queue_timeout,
         max_migrations=args.max_migrations,

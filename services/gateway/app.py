@@ -22,7 +22,9 @@ from services.gateway.config import GatewayConfig
 from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import install_handlers, service_unavailable
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.prefix_index import PrefixIndex
 from services.gateway.prompts import ModelInfo
+from services.gateway.router import Router
 from services.gateway.routes import router
 from services.gateway.workers import WorkerView
 from shared.model.hub import DEFAULT_MODEL_ID, default_model_path, resolve_model_path
@@ -44,7 +46,7 @@ def load_model_info(config: GatewayConfig) -> ModelInfo:
         max_model_len = min(max_model_len, config.max_model_len)
     name = config.served_model_name or default_model_name(path)
     aliases = frozenset({name, path.name, path.stem, str(config.model or DEFAULT_MODEL_ID)})
-    return ModelInfo(name=name, max_model_len=max_model_len, tokenizer=tokenizer, aliases=aliases)
+    return ModelInfo(name=name, max_model_len=max_model_len, tokenizer=tokenizer, aliases=aliases, cache_id=path.name)
 
 
 def default_model_name(path: Path) -> str:
@@ -66,8 +68,10 @@ class GatewayState:
     admission: Admission
     metrics: GatewayMetrics
     dispatcher: Dispatcher
+    index: PrefixIndex
     stopping: bool = False  # set when the gateway starts to shut down: new requests get 503
     started: bool = False  # every expected instance has been heard from (config.expect)
+    _pruner: asyncio.Task | None = None
 
     @classmethod
     async def start(cls, config: GatewayConfig) -> GatewayState:
@@ -86,15 +90,30 @@ class GatewayState:
             workers = WorkerView(redis, alive_s=config.worker_alive_s, stats_ttl_s=config.worker_stats_ttl_s,
                                  registry_cache_s=config.registry_cache_s)
             await workers.start(nc)
+            index = PrefixIndex(forget_after_s=2 * config.worker_alive_s)
+            await index.start(nc, redis)
         except BaseException:
             await nc.close()
             raise
         admission = Admission(config.max_concurrent_requests)
         metrics = GatewayMetrics(config.instance, lambda: (admission.in_flight, admission.awaiting_first_token),
                                  workers.recent_stats, model=model.name, price=config.price)
-        return cls(config, model, nc, js, redis, workers, admission, metrics, Dispatcher(nc, js, config, workers))
+        router = Router(config, index, workers.live, model.cache_id, heard_at=workers.heard_at)
+        dispatcher = Dispatcher(nc, js, config, workers, router, on_route=metrics.route)
+        state = cls(config, model, nc, js, redis, workers, admission, metrics, dispatcher, index)
+        state._pruner = asyncio.create_task(state._prune_index())
+        return state
+
+    async def _prune_index(self) -> None:
+        """Forget the cache locations that went silent (a killed worker or store)."""
+        while True:
+            await asyncio.sleep(1.0)
+            self.index.prune()
 
     async def stop(self) -> None:
+        if self._pruner is not None:
+            self._pruner.cancel()
+        await self.index.stop()
         await self.workers.stop()
         try:
             await asyncio.wait_for(self.nc.drain(), timeout=5.0)

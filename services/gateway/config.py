@@ -8,6 +8,7 @@ from services.gateway.cost import Price
 from shared.config import ConnectionConfig
 
 MODES = ("disaggregated", "colocated", "conditional")
+ROUTERS = ("cache-aware", "least-loaded", "round-robin")  # services/gateway/router.py
 
 # The worker roles that must be alive before a mode can serve a request (DESIGN.md "Modes").
 REQUIRED_ROLES: dict[str, frozenset[str]] = {
@@ -29,7 +30,16 @@ class GatewayConfig(ConnectionConfig):
     max_model_len: int | None = None  # None: the checkpoint's context length
 
     mode: str = "disaggregated"
-    conditional_threshold: int = 256  # conditional mode: prompts shorter than this go straight to decode
+    # conditional mode, decided per request from the prompt's *uncached* tokens (services/gateway/router.py):
+    # fewer than this go straight to a decode worker, which prefills them itself …
+    conditional_threshold: int = 256
+    # … and so do up to `conditional_busy_threshold` when the prefill pool already has more than
+    # `conditional_queue_tokens` prompt tokens queued (its queue would cost more than computing here)
+    conditional_busy_threshold: int = 1024
+    conditional_queue_tokens: int = 4096
+    router: str = "cache-aware"  # how a job's worker is chosen: cache-aware | least-loaded | round-robin
+    # cache-aware: a worker whose load is above the mean by this factor is not chosen for its cache
+    hot_spot_factor: float = 1.5
 
     max_concurrent_requests: int = 256  # in flight in this gateway; beyond it → 429
     max_body_bytes: int = 4 * 1024 * 1024  # request bodies above it → 413
@@ -59,7 +69,12 @@ class GatewayConfig(ConnectionConfig):
             raise ValueError(f"gateway config: mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"gateway config: port must be in [0, 65535], got {self.port}")
-        for name in ("max_concurrent_requests", "max_body_bytes", "default_max_tokens", "conditional_threshold"):
+        if self.router not in ROUTERS:
+            raise ValueError(f"gateway config: router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
+        if not self.hot_spot_factor >= 1.0:
+            raise ValueError(f"gateway config: hot_spot_factor must be >= 1, got {self.hot_spot_factor}")
+        for name in ("max_concurrent_requests", "max_body_bytes", "default_max_tokens", "conditional_threshold",
+                     "conditional_busy_threshold", "conditional_queue_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"gateway config: {name} must be positive, got {getattr(self, name)}")
         for name in ("inactivity_timeout_s", "queue_timeout_s", "request_timeout_s", "publish_timeout_s", "worker_alive_s",

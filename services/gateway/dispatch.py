@@ -31,6 +31,7 @@ from nats.js import JetStreamContext
 
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import service_unavailable
+from services.gateway.router import Router
 from shared.protocol import subjects
 from shared.protocol.messages import Cancel, ErrorCode, PrefillJob, SamplingMsg, TokenEvent, decode, encode
 
@@ -56,9 +57,10 @@ class RequestChannel:
     — prompt + the tokens already streamed, which the prefix cache makes cheap — and the stream goes
     on from the next index, so the client sees neither a gap nor a duplicate. The replaced attempt is
     cancelled (a hung worker may wake up) and its late events are dropped. After `max_migrations` it
-    ends with WORKER_LOST. Only decode-side workers are watched (a decode worker
-    announces a job it takes with an empty event); a dead prefill worker's unacked job is
-    redelivered by JetStream instead."""
+    ends with WORKER_LOST. Watched: the decode-side worker holding the request (a decode worker
+    announces a job it takes with an empty event), and before that the worker the router sent the
+    job to (`routed`: its own subject has no one else to redeliver to). A dead prefill worker's
+    unacked job from the shared queue is redelivered by JetStream instead."""
 
     def __init__(self, nc: NATS, request_id: str, *, inactivity_timeout_s: float, deadline_s: float,
                  queue_timeout_s: float | None = None, resubmit=None, silent_for=None, role_of=None, max_migrations: int = 0,
@@ -88,6 +90,19 @@ class RequestChannel:
         # decode worker holds it and the kvstore has its blocks) or it ended (n > 1 waits on it)
         self.progressed = asyncio.Event()
         self.publish_task: asyncio.Task | None = None  # a job published later (Dispatcher.open's `after`)
+        self._on_taken = None  # called once when a worker takes the job (or the request ends first)
+
+    def routed(self, target: str, on_taken) -> None:
+        """The job went to worker `target`'s own subject: watch it from now on (if it dies before
+        another worker has the request, the job is resubmitted to the shared queue, like a
+        migration), and call `on_taken()` once it takes the job."""
+        self._worker = target
+        self._on_taken = on_taken
+
+    def _taken(self) -> None:
+        if self._on_taken is not None:
+            on_taken, self._on_taken = self._on_taken, None
+            on_taken()
 
     @property
     def num_tokens(self) -> int:
@@ -187,6 +202,7 @@ class RequestChannel:
                 self._last_event = time.monotonic()
                 if isinstance(item, TokenEvent) and item.attempt >= self.migrations:
                     self._queued = False  # a worker has the job (a "taken" notice or tokens)
+                    self._taken()
                 return item
             except TimeoutError:
                 await self._migrate_if_worker_died()
@@ -223,6 +239,7 @@ class RequestChannel:
             return
         self._closed = True
         self.progressed.set()
+        self._taken()
         if self.publish_task is not None:
             self.publish_task.cancel()  # the job may not be out yet; the Cancel below covers it if it is
         if self._on_close is not None:
@@ -241,11 +258,14 @@ class RequestChannel:
 class Dispatcher:
     """Routes jobs to a work queue by mode and opens a channel per request."""
 
-    def __init__(self, nc: NATS, js: JetStreamContext, config: GatewayConfig, workers=None) -> None:
+    def __init__(self, nc: NATS, js: JetStreamContext, config: GatewayConfig, workers=None,
+                 router: Router | None = None, on_route=None) -> None:
         self._nc = nc
         self._js = js
         self._config = config
         self._workers = workers  # WorkerView: who is alive (for migration)
+        self.router = router  # None: every job to its pool's shared queue
+        self._on_route = on_route  # called with each Route taken (metrics)
         self.channels: set[RequestChannel] = set()  # open ones: a stopping gateway ends them
         self._idle = asyncio.Event()  # set while no channel is open
         self._idle.set()
@@ -273,11 +293,17 @@ class Dispatcher:
             channel.fail(code, message)
         return len(self.channels)
 
-    def route(self, num_prompt_tokens: int) -> str:
-        """conditional: short prompts go straight to a decode worker, which prefills them itself."""
-        if self._config.mode == "conditional" and num_prompt_tokens < self._config.conditional_threshold:
-            return subjects.DECODE_DIRECT
-        return subjects.PREFILL_JOBS
+    def route(self, prompt_ids: list[int], channel: RequestChannel) -> str:
+        """The subject of this request's job (router.py); a job for one worker's own subject has the
+        channel watch that worker."""
+        if self.router is None:
+            return subjects.PREFILL_JOBS
+        route = self.router.route(prompt_ids)
+        if route.target:
+            channel.routed(route.target, lambda: self.router.taken(route))
+        if self._on_route is not None:
+            self._on_route(route)
+        return route.subject
 
     async def open(self, request_id: str, prompt_ids: list[int], params: SamplingMsg,
                    after: RequestChannel | None = None, headers: dict[str, str] | None = None) -> RequestChannel:
@@ -303,10 +329,10 @@ class Dispatcher:
             role_of=self._workers.role_of if self._workers is not None else None,
             max_migrations=cfg.max_migrations, worker_dead_s=cfg.worker_dead_s, on_close=self._closed)
         self._opened(channel)
-        subject = self.route(len(prompt_ids))
         try:
             await channel.subscribe()  # first: no event can slip past us
             if after is None:
+                subject = self.route(prompt_ids, channel)
                 await self._js.publish(subject, encode(job), timeout=cfg.publish_timeout_s, headers=headers)
         except (NatsError, TimeoutError) as exc:
             log.warning("request %s: could not publish the job: %s", request_id, exc)
@@ -314,15 +340,16 @@ class Dispatcher:
             raise service_unavailable(f"the job queue is unavailable ({type(exc).__name__}); retry shortly",
                                       code="queue_unavailable") from None
         if after is not None:
-            channel.publish_task = asyncio.create_task(self._publish_after(channel, after, subject, job, headers))
+            channel.publish_task = asyncio.create_task(self._publish_after(channel, after, job, headers))
         return channel
 
-    async def _publish_after(self, channel: RequestChannel, after: RequestChannel, subject: str,
-                             job: PrefillJob, headers: dict[str, str] | None) -> None:
+    async def _publish_after(self, channel: RequestChannel, after: RequestChannel, job: PrefillJob,
+                             headers: dict[str, str] | None) -> None:
         await after.progressed.wait()
         if channel.aborted or channel.closed:
             return
         job = msgspec.structs.replace(job, created_at=time.time())
+        subject = self.route(job.prompt_ids, channel)  # now: the prompt is cached somewhere
         try:
             await self._js.publish(subject, encode(job), timeout=self._config.publish_timeout_s, headers=headers)
         except (NatsError, TimeoutError) as exc:

@@ -30,6 +30,7 @@ class ModelInfo:
     max_model_len: int
     tokenizer: Tokenizer
     aliases: frozenset[str] = frozenset()  # other names requests may use (file name, path as given)
+    cache_id: str = ""  # the model id in KV block keys (the engines use the checkpoint's file name)
     created: int = field(default_factory=lambda: int(time.time()))  # unix time it was loaded
     _grammar: GrammarCompiler | None = field(default=None, repr=False)
 

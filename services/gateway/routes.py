@@ -172,6 +172,20 @@ async def reset_prefix_cache(request: Request) -> JSONResponse:
     return JSONResponse(await _state(request).reset_prefix_cache())
 
 
+@utility.get("/router")
+async def router_state(request: Request) -> JSONResponse:
+    """What the router sees: its policy, each live worker's load and the routing index by location."""
+    state = _state(request)
+    r = state.dispatcher.router
+    roles = ("colocated",) if state.config.mode == "colocated" else ("prefill", "decode")
+    workers = {s.instance: {"role": s.role, "kvstore": s.kvstore, "load_tokens": round(r.load(s), 1),
+                            "queued_tokens": s.queued_tokens, "pending_tokens": r.pending_tokens(s),
+                            "kv_blocks_in_use": s.kv_blocks_in_use}
+               for role in roles for s in state.workers.live(role)}
+    return JSONResponse({"policy": state.config.router, "mode": state.config.mode, "workers": workers,
+                         "index": state.index.summary()})
+
+
 @router.get("/version")
 async def version() -> JSONResponse:
     return JSONResponse({"version": _VERSION})

@@ -67,6 +67,16 @@ class WorkerView:
             del self._heard[key]
         return [h.stats for h in self._heard.values()]
 
+    def live(self, role: str) -> list[WorkerStats]:
+        """Latest stats of each instance of `role` heartbeating now (the router's candidates)."""
+        now = time.monotonic()
+        return [h.stats for (r, _), h in self._heard.items() if r == role and now - h.at <= self._alive_s]
+
+    def heard_at(self, role: str, instance: str) -> float:
+        """time.monotonic() when the latest stats of this instance arrived (-inf: never)."""
+        heard = self._heard.get((role, instance))
+        return heard.at if heard is not None else float("-inf")
+
     def silent_for(self, instance: str) -> float:
         """How long `instance` has been silent while others were heard: seconds between its last
         stats and the latest stats from any instance (inf if never heard of). Relative, so a pause

@@ -54,6 +54,7 @@ class SlotPool:
     def __init__(self, num_slots: int, *, max_lease_ttl_s: float = 3600.0,
                  clock: Callable[[], float] = time.monotonic):
         self.pool = BlockPool(num_slots)
+        self._hints = self.pool.add_event_queue()  # the Valkey routing hints (heartbeat.py)
         self.num_slots = num_slots
         self.checksums = [0] * num_slots  # crc32 recorded at commit
         self.leases: dict[str, Lease] = {}
@@ -187,7 +188,8 @@ class SlotPool:
         return expired
 
     def take_events(self) -> list[BlockStored | BlockEvicted]:
-        return self.pool.take_events()
+        """Index events for the Valkey routing hints (the routing index reads its own queue)."""
+        return self.pool.take_events(self._hints)
 
     def indexed_keys(self) -> list[bytes]:
         return [key for key in self.pool.block_key if key is not None]

@@ -16,7 +16,7 @@
 Every request is answered: a malformed one with BAD_REQUEST, a refused one with the pool's code, a
 bug with INTERNAL (and a logged traceback). Nothing a client sends can stop the service.
 Background tasks: the lease reaper (releases expired leases), stats on NATS, Valkey registry and
-routing hints (`heartbeat.py`).
+routing hints (`heartbeat.py`), and the routing index's events (shared/transport/cache_events.py).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from services.kvstore.heartbeat import Heartbeat
 from services.kvstore.pool import PoolError, SlotPool
 from services.kvstore.shm import PoolMemory
 from shared.protocol import subjects
+from shared.transport.cache_events import CachePublisher
 from shared.protocol.messages import (
     ErrorCode, KVAllocate, KVAllocateReply, KVCommit, KVLookup, KVLookupReply, KVRead, KVReadChunk, KVRelease,
     KVRenew, KVReply, KVStoreInfo, KVWriteChunk, ResetReply, decode, encode,
@@ -68,6 +69,7 @@ class KVStoreService:
         self.memory: PoolMemory | None = None
         self.nc: NATS | None = None
         self.heartbeat: Heartbeat | None = None
+        self.cache_events: CachePublisher | None = None  # the gateways' routing index follows these
         self.ready = asyncio.Event()
         self._stopped = False
         self._subs: list[Subscription] = []
@@ -112,6 +114,15 @@ class KVStoreService:
         self.nc = await nats_bus.connect(cfg.nats_url, f"kvstore-{self.store}", user=cfg.nats_user,
                                          password=cfg.nats_password, token=cfg.nats_token)
         self.heartbeat = Heartbeat(cfg, self.pool, self.nc, valkey.connect(cfg.redis_url, cfg.redis_password))
+        index_queue = self.pool.pool.add_event_queue()
+
+        async def keys() -> list[bytes]:
+            return self.pool.pool.cached_keys()
+
+        self.cache_events = CachePublisher(self.nc, self.heartbeat.redis, subjects.cache_location("store", self.store),
+                                           lambda: self.pool.pool.take_events(index_queue), keys)
+        await self.cache_events.start()
+        self._index_stop = asyncio.Event()
         for op in subjects.KV_OPS:
             handler = self._on_read if op == "read" else self._make_handler(op)
             self._subs.append(await self.nc.subscribe(subjects.kv(self.store, op), cb=handler))
@@ -119,7 +130,7 @@ class KVStoreService:
         await self.nc.flush()  # subscriptions are live on the server before we say we are ready
         self._background = [asyncio.create_task(coro, name=f"kvstore-{name}") for name, coro in (
             ("reaper", self._reap_leases()), ("stats", self.heartbeat.run_nats()),
-            ("valkey", self.heartbeat.run_valkey()))]
+            ("valkey", self.heartbeat.run_valkey()), ("index", self.cache_events.run(self._index_stop)))]
         log.info("kvstore %s: %d slots × %d bytes (%.0f MiB, %s), layout %s, on %s", self.store, cfg.num_slots,
                  cfg.block_bytes, cfg.pool_bytes / 2**20, f"shm {self.memory.name}" if self.memory.name else
                  "private memory", cfg.layout, cfg.nats_url)
@@ -146,6 +157,9 @@ class KVStoreService:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         self._background.clear()
+        if self.cache_events is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.cache_events.withdraw(), SHUTDOWN_GRACE_S)
         if self.heartbeat is not None:
             try:
                 await asyncio.wait_for(self.heartbeat.withdraw(), SHUTDOWN_GRACE_S)

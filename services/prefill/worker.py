@@ -38,10 +38,18 @@ class PrefillWorker(WorkerRuntime):
 
     async def run(self) -> None:
         await self.start()
-        self.kv = await attach_kvstore(self.nc, self.config, self.engine)
-        sub = await nats_bus.pull_subscription(self.js, subjects.PREFILL_STREAM, "prefill", subjects.PREFILL_JOBS,
-                                               ack_wait=self.config.ack_wait_s, max_deliver=self.config.max_deliver)
+        c = self.config
+        self.kv = await attach_kvstore(self.nc, c, self.engine)
+        shared = await nats_bus.pull_subscription(self.js, subjects.PREFILL_STREAM, "prefill", subjects.PREFILL_JOBS,
+                                                  ack_wait=c.ack_wait_s, max_deliver=c.max_deliver)
+        own = await nats_bus.worker_subscription(self.js, subjects.PREFILL_STREAM, subjects.PREFILL_JOBS, c.instance,
+                                                 ack_wait=c.ack_wait_s, max_deliver=c.max_deliver)
         self.ready()
+        await asyncio.gather(self._pull(own), self._pull(shared))
+
+    async def _pull(self, sub) -> None:
+        """Take jobs from `sub` while fewer than max_inflight run (both consumers share the count;
+        together they may overshoot it by one fetch)."""
         while not self.stop.is_set():
             room = self.config.max_inflight - self.inflight
             if room <= 0:
@@ -148,6 +156,7 @@ class PrefillWorker(WorkerRuntime):
                                      completion_tokens=index + 1, cached_tokens=len(hits) * bs, timing=timing,
                                      logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs)
             return
+        await self.report_load()
         await self.publish_tokens(rid, index, out.new_token_ids, logprobs=out.logprobs,  # token 1: this is TTFT
                                   prompt_logprobs=out.prompt_logprobs)
         t_write = time.time()

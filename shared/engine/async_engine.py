@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.cores import CoreShare
-from shared.engine.engine import LLMEngine, RequestOutput
+from shared.engine.engine import LLMEngine, RequestError, RequestOutput
 from shared.engine.sequence import FinishReason
 
 log = logging.getLogger(__name__)
@@ -52,11 +52,20 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._commands: list[Callable[[], None]] = []
         self._wake = asyncio.Event()
+        self.incoming_tokens = 0  # prompt tokens of requests added but not yet in the engine (a step runs)
+        self._block_queue: int | None = None  # the routing index's event queue on the engine's pool
+        self._block_events: list = []  # taken from it between steps, read by `take_block_events`
 
     # ---------------------------------------------------------------------------------- requests
 
     def add_request(self, request_id: str, prompt_ids: list[int], params, **kwargs) -> RequestStream:
-        return self._submit(request_id, lambda: self.engine.add_request(request_id, prompt_ids, params, **kwargs))
+        self.incoming_tokens += len(prompt_ids)
+
+        def add() -> None:
+            self.incoming_tokens -= len(prompt_ids)
+            self.engine.add_request(request_id, prompt_ids, params, **kwargs)
+
+        return self._submit(request_id, add)
 
     def add_prefilled(self, request_id: str, prompt_ids: list[int], first_token: int, kv_blocks: torch.Tensor,
                       params, **kwargs) -> RequestStream:
@@ -85,10 +94,33 @@ class AsyncEngine:
         self._wake.set()
         return await done
 
+    def watch_blocks(self) -> None:
+        """Start keeping the prefix cache's BlockStored/BlockEvicted events (the routing index)."""
+        self._block_queue = self.engine.pool.add_event_queue()
+
+    def take_block_events(self) -> list:
+        """Events of the steps run so far (event-loop thread: they were moved here between steps)."""
+        events, self._block_events = self._block_events, []
+        return events
+
+    async def cached_keys(self) -> list[bytes]:
+        """Every key the engine's prefix cache can hit, read between steps."""
+        done: asyncio.Future[list[bytes]] = asyncio.get_running_loop().create_future()
+        self._commands.append(lambda: done.set_result(self.engine.pool.cached_keys()))
+        self._wake.set()
+        return await done
+
+    def _collect_block_events(self) -> None:
+        if self._block_queue is not None:
+            self._block_events += self.engine.pool.take_events(self._block_queue)
+
     def _submit(self, request_id: str, add: Callable[[], None]) -> RequestStream:
         stream = RequestStream(request_id)
 
         def command() -> None:
+            if request_id in self._streams:  # refused without touching the running request's stream
+                stream.queue.put_nowait(StreamItem(error=RequestError(f"request id {request_id!r} is already in use")))
+                return
             self._streams[request_id] = stream
             try:
                 add()
@@ -123,6 +155,7 @@ class AsyncEngine:
                 continue
             outputs = await asyncio.to_thread(self._step)
             self._deliver(outputs)
+            self._collect_block_events()
 
     def _step(self) -> list[RequestOutput]:
         """One engine step (in the worker thread), on this engine's cores plus those lent to it."""
@@ -138,6 +171,7 @@ class AsyncEngine:
         commands, self._commands = self._commands, []
         for command in commands:
             command()
+        self._collect_block_events()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -11,7 +11,9 @@ then evicts the least-recently-used cached block. A block whose last owner lets 
 it has a key, free otherwise. Owners release a sequence's blocks tail first, so a sequence's last
 blocks become the oldest in the LRU and are evicted before its (more shareable) first blocks.
 
-The pool emits `BlockStored` / `BlockEvicted` events for the kvstore's index and routing.
+The pool emits `BlockStored` / `BlockEvicted` events, in order, to each event queue a reader added
+with `add_event_queue()` (the kvstore's Valkey hints read one, the routing index another); with no
+queue, nothing is kept.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class BlockPool:
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, … first
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced: oldest first
         self._by_key: dict[BlockKey, int] = {}
-        self._events: list[BlockStored | BlockEvicted] = []
+        self._queues: list[list[BlockStored | BlockEvicted]] = []
 
     # ------------------------------------------------------------------------------------ queries
 
@@ -124,7 +126,7 @@ class BlockPool:
             raise ValueError(f"block {block} must be in use to be cached")
         self.block_key[block] = key
         self._by_key[key] = block
-        self._events.append(BlockStored(key, block))
+        self._emit(BlockStored(key, block))
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block: unreferenced ones are freed, those in use become private (they
@@ -138,16 +140,29 @@ class BlockPool:
             self._evict(block)
         return n
 
-    def take_events(self) -> list[BlockStored | BlockEvicted]:
-        events, self._events = self._events, []
+    def add_event_queue(self) -> int:
+        """A new queue that sees every event from now on; returns its number for `take_events`."""
+        self._queues.append([])
+        return len(self._queues) - 1
+
+    def take_events(self, queue: int) -> list[BlockStored | BlockEvicted]:
+        events, self._queues[queue] = self._queues[queue], []
         return events
+
+    def cached_keys(self) -> list[BlockKey]:
+        """Every key a prefix lookup can hit now (cached and in-use blocks alike)."""
+        return list(self._by_key)
+
+    def _emit(self, event: BlockStored | BlockEvicted) -> None:
+        for queue in self._queues:
+            queue.append(event)
 
     def _evict(self, block: int) -> None:
         key = self.block_key[block]
         if key is not None:
             del self._by_key[key]
             self.block_key[block] = None
-            self._events.append(BlockEvicted(key, block))
+            self._emit(BlockEvicted(key, block))
 
     def check_invariants(self) -> None:
         """free + cached + in-use = total, and the three sets are disjoint and consistent."""

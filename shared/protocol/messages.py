@@ -186,7 +186,34 @@ class WorkerStats(Msg, kw_only=True):
     spec_accepted_per_pos: list[int] = []  # [i]: drafts whose proposal i was kept
     busy_s: float = 0.0  # cumulative engine step time (all of it charged to requests: cost accounting)
     busy_core_s: float = 0.0  # … times each step's compute units (CPU threads)
+    kvstore: str = ""  # a worker: the store of its host (the router counts that store's prefixes as its own)
+    queued_tokens: int = 0  # prompt tokens taken but not yet computed (the router's prefill load)
     ts: float = 0.0
+
+
+class CacheEvents(Msg, kw_only=True):
+    """What changed in one place that caches prefixes (a worker's engine, a host's kvstore), on
+    pd.cache.events.<location>: the routing index of every gateway follows it.
+
+    `seq` counts the batches of one `epoch` (a process lifetime) from 1; a batch with nothing in it
+    repeats the last seq (a keepalive). A gap or a new epoch sends the reader to the snapshot."""
+
+    location: str  # "worker.<instance>" | "store.<store>"
+    epoch: str
+    seq: int
+    stored: list[bytes] = []  # block keys that can now be hit here
+    evicted: list[bytes] = []  # block keys that no longer can
+    gone: bool = False  # the location is shutting down: forget it
+
+
+class CacheSnapshot(Msg, kw_only=True):
+    """Every key of one location as of batch `seq` (events after `seq` apply on top): in Valkey at
+    pd:cache:<location> (with a TTL), and the reply to pd.cache.sync.<location>."""
+
+    location: str
+    epoch: str
+    seq: int
+    keys: list[bytes] = []
 
 
 class ResetReply(Msg, kw_only=True):

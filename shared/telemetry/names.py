@@ -26,6 +26,8 @@ PREFILL_CORE_SECONDS = "pdserve_prefill_core_seconds_total"  # × each step's th
 DECODE_CORE_SECONDS = "pdserve_decode_core_seconds_total"
 KV_TRANSFER_BYTES = "pdserve_kv_transfer_bytes_total"
 COST = "pdserve_cost_total"  # {phase="prefill"|"decode"|"kv_transfer", currency}
+ROUTER_JOBS = "pdserve_router_jobs_total"  # {pool, worker, reason}: where the router sent each job, and why
+ROUTER_CACHED_TOKENS = "pdserve_router_expected_cached_tokens_total"  # prompt tokens it expected cached there
 MIGRATIONS = "pdserve_migrations_total"  # requests resubmitted after their worker died or hung
 ENGINE_BUSY = "pdserve_engine_busy_seconds_total"  # per worker: step time, all of it charged to requests
 ENGINE_BUSY_CORE = "pdserve_engine_busy_core_seconds_total"

@@ -1,6 +1,7 @@
-"""Liveness and load, published every tick: `WorkerStats` on NATS (the gateway's /metrics) and a
-registry entry with a TTL in Valkey (the gateway's /health and routing). Either may be down for a
-while: errors are logged and the next tick tries again."""
+"""Liveness and load: `WorkerStats` on NATS every `interval` (the gateway's /metrics, and its router's
+view of each worker's load: a stale one routes the next request by a load already gone, so this is
+frequent), and a registry entry with a TTL in Valkey every `registry_interval` (the gateway's
+/health). Either may be down for a while: errors are logged and the next tick tries again."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ log = logging.getLogger(__name__)
 
 
 async def heartbeat(nc, redis, stats: Callable[[], WorkerStats], stop: asyncio.Event,
-                    interval: float = 1.0, ttl: float = 5.0) -> None:
+                    interval: float = 0.25, registry_interval: float = 1.0, ttl: float = 5.0) -> None:
+    registered = float("-inf")
     while not stop.is_set():
         s = stats()
         s.ts = time.time()
@@ -25,7 +27,8 @@ async def heartbeat(nc, redis, stats: Callable[[], WorkerStats], stop: asyncio.E
             await nc.publish(subjects.stats(s.role, s.instance), data)
         except Exception as exc:
             log.warning("stats publish failed: %s", exc)
-        if redis is not None:
+        if redis is not None and time.monotonic() - registered >= registry_interval:
+            registered = time.monotonic()
             try:
                 await redis.set(subjects.registry_key(s.role, s.instance), data, px=int(ttl * 1000))
             except Exception as exc:

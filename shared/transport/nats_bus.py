@@ -43,8 +43,9 @@ async def connect(url: str, name: str, *, user: str | None = None, password: str
 
 async def ensure_streams(js: JetStreamContext, storage: StorageType = StorageType.FILE) -> None:
     """Create (or keep) the two work-queue streams."""
-    for name, subs in ((subjects.PREFILL_STREAM, [subjects.PREFILL_JOBS]),
-                       (subjects.DECODE_STREAM, [subjects.DECODE_JOBS, subjects.DECODE_DIRECT])):
+    for name, subs in ((subjects.PREFILL_STREAM, [subjects.PREFILL_JOBS, f"{subjects.PREFILL_JOBS}.*"]),
+                       (subjects.DECODE_STREAM, [subjects.DECODE_JOBS, subjects.DECODE_DIRECT,
+                                                 f"{subjects.DECODE_DIRECT}.*"])):
         config = StreamConfig(name=name, subjects=subs, retention=RetentionPolicy.WORK_QUEUE, storage=storage,
                               max_age=600.0)
         try:
@@ -54,10 +55,24 @@ async def ensure_streams(js: JetStreamContext, storage: StorageType = StorageTyp
 
 
 async def pull_subscription(js: JetStreamContext, stream: str, durable: str, filter_subject: str, *,
-                            ack_wait: float = 30.0, max_deliver: int = 3) -> JetStreamContext.PullSubscription:
+                            ack_wait: float = 30.0, max_deliver: int = 3,
+                            inactive_threshold: float | None = None) -> JetStreamContext.PullSubscription:
     """A durable pull consumer shared by all workers of one pool (a work queue allows one consumer
-    per subject, so workers of a pool bind to the same durable)."""
+    per subject, so workers of a pool bind to the same durable) — or, on a per-worker subject, that
+    worker's own, which the server deletes after `inactive_threshold` seconds without it (a worker
+    that never comes back; the gateway has resubmitted its jobs to the shared queue by then)."""
     config = ConsumerConfig(durable_name=durable, ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
                             ack_wait=ack_wait, max_deliver=max_deliver, filter_subject=filter_subject,
-                            max_ack_pending=-1)
+                            max_ack_pending=-1, inactive_threshold=inactive_threshold)
     return await js.pull_subscribe(filter_subject, durable=durable, stream=stream, config=config)
+
+
+WORKER_CONSUMER_IDLE_S = 3600.0  # a per-worker consumer outlives its worker this long (restarts keep it)
+
+
+async def worker_subscription(js: JetStreamContext, stream: str, base: str, instance: str, *, ack_wait: float,
+                              max_deliver: int) -> JetStreamContext.PullSubscription:
+    """The pull consumer of `instance`'s own jobs (`base`.<instance>: the router chose this worker)."""
+    return await pull_subscription(js, stream, f"{base.replace('.', '-')}-{instance}",
+                                   subjects.worker_jobs(base, instance), ack_wait=ack_wait, max_deliver=max_deliver,
+                                   inactive_threshold=WORKER_CONSUMER_IDLE_S)

@@ -19,6 +19,7 @@ from shared.protocol.convert import logprobs_msg, to_params
 from shared.protocol.messages import (Cancel, ErrorCode, ResetReply, Timing, TokenEvent, Usage, WorkerStats, decode,
                                      encode)
 from shared.transport import nats_bus, valkey
+from shared.transport.cache_events import CachePublisher
 from shared.transport.heartbeat import heartbeat
 from shared.transport.kv_client import KVStoreClient, KVStoreError
 
@@ -63,6 +64,8 @@ class WorkerRuntime:
         self._tasks: list[asyncio.Task] = []
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.cache_events: CachePublisher | None = None
+        self._queued = 0
 
     async def start(self) -> None:
         c = self.config
@@ -74,6 +77,12 @@ class WorkerRuntime:
         await self.nc.subscribe(subjects.CANCEL_ALL, cb=self._on_cancel)
         await self.nc.subscribe(subjects.RESET_PREFIX_CACHE, cb=self._on_reset)
         self._tasks = [asyncio.create_task(self.async_engine.run(self.stop), name="engine")]
+        if self.engine.config.enable_prefix_caching:  # the routing index follows this engine's prefix cache
+            self.async_engine.watch_blocks()
+            self.cache_events = CachePublisher(self.nc, self.redis, subjects.cache_location("worker", c.instance),
+                                               self.async_engine.take_block_events, self.async_engine.cached_keys)
+            await self.cache_events.start()
+            self._tasks.append(asyncio.create_task(self.cache_events.run(self.stop), name="cache-events"))
 
     def ready(self) -> None:
         """Start heartbeating: from now on the gateway counts this worker as live (/health), so only
@@ -120,6 +129,13 @@ class WorkerRuntime:
                 await on_skip(job)
             await msg.ack()
             return None
+        if self.attempts.get(rid, -1) > job.attempt:
+            # an attempt the gateway gave up on, while a later one runs here (a restarted worker finds
+            # its own subject's old jobs after the gateway resubmitted them to the shared queue)
+            log.info("request %s: attempt %d is superseded by attempt %d here; dropped", rid, job.attempt,
+                     self.attempts[rid])
+            await msg.ack()
+            return None
         if self.attempts.get(rid) == job.attempt:
             # JetStream redelivered a job this worker is still running (its in_progress came late,
             # e.g. on a starved CPU): the running one acks it; a second copy would only fail
@@ -158,7 +174,20 @@ class WorkerRuntime:
                            kv_blocks_in_use=pool.num_used_blocks, kv_blocks_cached=pool.num_cached_blocks,
                            prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits,
                            free_slots=max(0, self.engine.config.max_num_seqs - self.async_engine.num_requests),
-                           busy_s=self.engine.stats.busy_s, busy_core_s=self.engine.stats.busy_core_s, **spec)
+                           busy_s=self.engine.stats.busy_s, busy_core_s=self.engine.stats.busy_core_s,
+                           kvstore="" if self.config.role == "colocated" else self.config.kvstore,
+                           queued_tokens=self.queued_tokens(), **spec)
+
+    def queued_tokens(self) -> int:
+        """Prompt tokens this worker holds but has not computed yet (read between or during steps:
+        an estimate for the router, never used for the engine's own decisions)."""
+        sched = self.engine.scheduler
+        try:
+            self._queued = self.async_engine.incoming_tokens + sum(
+                max(0, seq.num_prompt_tokens - seq.num_computed_tokens) for seq in [*sched.waiting, *sched.running])
+        except RuntimeError:  # a step changed the queue while we read it: the last reading will do
+            pass
+        return self._queued
 
     async def publish_tokens(self, request_id: str, index: int, token_ids: list[int], *, logprobs=None,
                              prompt_logprobs=None, **fields) -> None:
@@ -174,10 +203,21 @@ class WorkerRuntime:
         await self.publish_tokens(request_id, index, [], finished=True, finish_reason="error", error_code=code,
                                   error=message)
 
+    async def report_load(self) -> None:
+        """Publish stats now, ahead of the event that ends a request's work here: the gateway's router
+        then never judges this worker by a load reading taken while that work was still running."""
+        s = self.stats()
+        s.ts = time.time()
+        try:
+            await self.nc.publish(subjects.stats(s.role, s.instance), encode(s))
+        except Exception as exc:
+            log.warning("stats publish failed: %s", exc)
+
     async def publish_final(self, request_id: str, index: int, token_ids: list[int], *, finish_reason: str,
                             stop_reason, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
                             timing: Timing | None, draft_tokens: int = 0, accepted_tokens: int = 0,
                             logprobs=None, prompt_logprobs=None) -> None:
+        await self.report_load()
         await self.publish_tokens(
             request_id, index, token_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs, finished=True,
             finish_reason=finish_reason,
@@ -188,6 +228,8 @@ class WorkerRuntime:
 
     async def shutdown(self) -> None:
         self.stop.set()
+        if self.cache_events is not None:
+            await self.cache_events.withdraw()
         for task in self._tasks:
             try:
                 await asyncio.wait_for(task, 10)

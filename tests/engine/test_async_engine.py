@@ -62,3 +62,24 @@ async def test_abort_and_prefill_only_export():
     await loop_task
     engine.pool.check_invariants()
     assert engine.pool.num_used_blocks == 0
+
+
+async def test_a_second_request_with_a_running_ones_id_is_refused_and_the_first_runs_on():
+    """A worker may be handed the same request twice (an old attempt and its resubmission): the
+    second is an error for the second caller only; the first still gets every output and frees its
+    blocks (a duplicate used to take the first one's stream with it, leaving it to wait forever)."""
+    engine = make_engine()
+    [p] = prompts([30], seed=23)
+    expected = make_engine().generate([p], GREEDY)[0].new_token_ids
+    async_engine = AsyncEngine(engine)
+    stop = asyncio.Event()
+    loop_task = asyncio.create_task(async_engine.run(stop))
+    first = async_engine.add_request("same", p, GREEDY)
+    second = async_engine.add_request("same", p, GREEDY)
+    dup = await collect(second)
+    assert isinstance(dup, RequestError) and "already in use" in str(dup)
+    tokens, last = await asyncio.wait_for(collect(first), 60)
+    assert tokens == expected and last.output.finished
+    stop.set()
+    await loop_task
+    assert engine.pool.num_used_blocks == 0

@@ -41,10 +41,11 @@ def test_allocate_free_exact_ids():
 
 def test_cached_blocks_reused_then_evicted_lru_first():
     pool = BlockPool(4)
+    q = pool.add_event_queue()
     blocks = pool.allocate(3)  # [0, 1, 2]
     for b, i in zip(blocks, range(3)):
         pool.cache_block(b, k(i))
-    assert pool.take_events() == [BlockStored(k(0), 0), BlockStored(k(1), 1), BlockStored(k(2), 2)]
+    assert pool.take_events(q) == [BlockStored(k(0), 0), BlockStored(k(1), 1), BlockStored(k(2), 2)]
     pool.release([2, 1, 0])  # tail first: LRU order becomes 2, 1, 0 (2 oldest)
     pool.check_invariants()
     assert (pool.num_cached_blocks, pool.num_free_blocks, pool.num_used_blocks) == (3, 4, 0)
@@ -54,16 +55,16 @@ def test_cached_blocks_reused_then_evicted_lru_first():
     assert pool.num_cached_blocks == 1
     # allocation takes the never-used block 3 first, then evicts the LRU cached block (2)
     assert pool.allocate(1) == [3]
-    assert pool.take_events() == []
+    assert pool.take_events(q) == []
     assert pool.allocate(1) == [2]
-    assert pool.take_events() == [BlockEvicted(k(2), 2)]
+    assert pool.take_events(q) == [BlockEvicted(k(2), 2)]
     assert pool.match_prefix([k(2)]) == []
     pool.check_invariants()
     pool.release([2, 3, 1, 0])
     # 2 and 3 hold nothing reusable → free; 1 then 0 → cached, LRU order 1, 0
     assert pool.num_cached_blocks == 2
     assert pool.allocate(3) == [3, 2, 1]
-    assert pool.take_events() == [BlockEvicted(k(1), 1)]
+    assert pool.take_events(q) == [BlockEvicted(k(1), 1)]
     pool.check_invariants()
 
 
@@ -123,3 +124,16 @@ def test_manager_prefix_match_leaves_one_token_to_compute():
     kv.free(b)
     pool.check_invariants()
     assert pool.num_used_blocks == 0 and pool.num_cached_blocks == 3
+
+
+def test_event_queues_each_see_every_event_and_none_are_kept_without_a_reader():
+    pool = BlockPool(2)
+    [b] = pool.allocate(1)
+    pool.cache_block(b, k(0))  # no queue yet: not kept anywhere
+    first, second = pool.add_event_queue(), pool.add_event_queue()
+    pool.release([b])
+    pool.allocate(2)  # evicts k(0)
+    assert pool.take_events(first) == [BlockEvicted(k(0), b)]
+    assert pool.take_events(first) == []
+    assert pool.take_events(second) == [BlockEvicted(k(0), b)]
+    assert pool.cached_keys() == []

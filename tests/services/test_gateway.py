@@ -85,12 +85,20 @@ class ScriptedPeer:
         prefill = await nats_bus.pull_subscription(self.js, subjects.PREFILL_STREAM, "prefill", subjects.PREFILL_JOBS)
         direct = await nats_bus.pull_subscription(self.js, subjects.DECODE_STREAM, "decode-direct",
                                                   subjects.DECODE_DIRECT)
+        subs = [prefill, direct]
+        for stream, base, role in self._own_queues():  # the router sends jobs to a chosen worker's own subject
+            subs.append(await nats_bus.worker_subscription(self.js, stream, base, f"peer-{role}", ack_wait=30,
+                                                           max_deliver=3))
         await self._heartbeat()
         await self.nc.flush()
         self._spawn(self._heartbeat_loop())
-        self._spawn(self._fetch_loop(prefill, subjects.PREFILL_JOBS))
-        self._spawn(self._fetch_loop(direct, subjects.DECODE_DIRECT))
+        for sub in subs:
+            self._spawn(self._fetch_loop(sub))
         return self
+
+    def _own_queues(self) -> list[tuple[str, str, str]]:
+        return [(subjects.DECODE_STREAM, subjects.DECODE_DIRECT, role) if role == "decode" else
+                (subjects.PREFILL_STREAM, subjects.PREFILL_JOBS, role) for role in self.roles]
 
     async def stop(self) -> None:
         self._stopping = True  # nats' fetch may turn a cancellation into a TimeoutError: loops check this too
@@ -103,6 +111,9 @@ class ScriptedPeer:
         await self.redis.aclose()
         for stream, durable in ((subjects.PREFILL_STREAM, "prefill"), (subjects.DECODE_STREAM, "decode-direct")):
             await self.js.delete_consumer(stream, durable)
+        for stream, base, role in self._own_queues():
+            with contextlib.suppress(NotFoundError):
+                await self.js.delete_consumer(stream, f"{base.replace('.', '-')}-peer-{role}")
         await self.nc.close()
 
     def _spawn(self, coro) -> None:
@@ -145,7 +156,7 @@ class ScriptedPeer:
 
     # -- jobs
 
-    async def _fetch_loop(self, psub, subject: str) -> None:
+    async def _fetch_loop(self, psub) -> None:
         while not self._stopping:
             try:
                 msgs = await psub.fetch(batch=8, timeout=0.5)
@@ -154,7 +165,7 @@ class ScriptedPeer:
             for msg in msgs:
                 await msg.ack()
                 job = decode(msg.data, PrefillJob)
-                self.jobs[job.request_id] = (subject, job)
+                self.jobs[job.request_id] = (msg.subject, job)
                 self._spawn(self._answer(job))
 
     def _script(self, job: PrefillJob) -> tuple[list[int], str, str | None]:
@@ -363,6 +374,7 @@ PRICE = Price(prefill_per_s=2.0, decode_per_s=1.0, per_gb=10.0, currency="EUR")
 async def test_chat_non_streaming_shape_and_job(client, peer, tokenizer):
     body = {**CHAT, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "seed": 7, "max_completion_tokens": 50,
             "user": "u1", "some_future_field": {"x": 1}}
+    await until(lambda: routable(client), ["peer-decode", "peer-prefill"])
     resp = await client.post("/v1/chat/completions", json=body)
     assert resp.status_code == 200, resp.text
     data = resp.json()
@@ -385,7 +397,7 @@ async def test_chat_non_streaming_shape_and_job(client, peer, tokenizer):
                                                            "rejected_prediction_tokens": 0},
                              "draft_tokens": 0, "accepted_tokens": 0}
     subject, job = peer.jobs[request_id(data)]
-    assert subject == subjects.PREFILL_JOBS
+    assert subject == subjects.worker_jobs(subjects.PREFILL_JOBS, "peer-prefill")  # the router chose the one there is
     assert job.prompt_ids == prompt_ids
     p = job.params
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (50, 0.5, 0.9, 40, 7)
@@ -848,13 +860,14 @@ async def test_api_key(make_gateway, peer):
 async def test_conditional_mode_routes_by_prompt_length(make_gateway, peer):
     gw = make_gateway(mode="conditional", conditional_threshold=32)
     async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
-        await until(lambda: health_status(c), 200)  # the gateway has seen the peer
+        await until(lambda: routable(c), ["peer-decode", "peer-prefill"])  # the router has the peer's stats
         short = await c.post("/v1/completions", json={**COMPLETION, "prompt": "Hi"})
         long = await c.post("/v1/completions", json={**COMPLETION, "prompt": "word " * 60})
         assert short.status_code == 200 and long.status_code == 200
         assert short.json()["choices"][0]["text"] == long.json()["choices"][0]["text"] == ANSWER
-    assert peer.jobs[request_id(short.json())][0] == subjects.DECODE_DIRECT
-    assert peer.jobs[request_id(long.json())][0] == subjects.PREFILL_JOBS
+    # each to the one worker of its pool, on that worker's own subject
+    assert peer.jobs[request_id(short.json())][0] == subjects.worker_jobs(subjects.DECODE_DIRECT, "peer-decode")
+    assert peer.jobs[request_id(long.json())][0] == subjects.worker_jobs(subjects.PREFILL_JOBS, "peer-prefill")
 
 
 async def test_colocated_mode_needs_a_colocated_worker(make_gateway, nats_server, valkey_server, tokenizer):
@@ -862,12 +875,12 @@ async def test_colocated_mode_needs_a_colocated_worker(make_gateway, nats_server
     p = await ScriptedPeer(nats_server.url, valkey_server.url, tokenizer, roles=("colocated",)).start()
     try:
         async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
-            await until(lambda: health_status(c), 200)
+            await until(lambda: routable(c), ["peer-colocated"])
             health = await c.get("/health")
             assert health.json()["workers"]["colocated"] == ["peer-colocated"]
             resp = await c.post("/v1/chat/completions", json=CHAT)
             assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == ANSWER
-            assert p.jobs[request_id(resp.json())][0] == subjects.PREFILL_JOBS
+            assert p.jobs[request_id(resp.json())][0] == subjects.worker_jobs(subjects.PREFILL_JOBS, "peer-colocated")
     finally:
         await p.stop()
 
@@ -930,6 +943,11 @@ async def test_health_follows_workers(make_gateway, nats_server, valkey_server, 
 
 async def health_status(c: httpx.AsyncClient) -> int:
     return (await c.get("/health")).status_code
+
+
+async def routable(c: httpx.AsyncClient) -> list[str]:
+    """The workers the router would choose from now (GET /router)."""
+    return sorted((await c.get("/router")).json()["workers"])
 
 
 async def until(probe, expected, timeout: float = 10.0, interval: float = 0.05):
