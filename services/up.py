@@ -5,6 +5,11 @@ prints the URL. Then it supervises them: a child that dies is restarted with bac
 servers too, on the same port and state); a child that keeps crashing right after it starts makes
 `up` give up with that child's error (exit 1). Ctrl-C / SIGTERM stops everything in reverse order:
 the gateway ends its open streams, the workers drain, then exit 0, no orphans.
+
+Settings resolve as: an explicit flag > the `--preset` (services/presets.py) > today's default, and
+`up` prints each with where it came from; `--dry-run` prints them and every child's command line,
+and starts nothing. `--hosts N` plays N hosts on this machine: a kvstore per host, the workers
+spread over them round-robin.
 """
 
 from __future__ import annotations
@@ -12,14 +17,18 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
-from shared.cli_args import add_connection_args, add_speculative_args, env, speculative_argv
+from shared.cli_args import add_connection_args, add_engine_args, add_speculative_args, env, speculative_argv
+from services.gateway.config import MODES, ROUTERS
+from services.presets import PRESETS
 from services.supervisor import CrashLoop, RestartPolicy, Supervisor
 from shared.transport.servers import ServerProcess, die_with_parent, start_nats, start_valkey, wait_for_http_ok
 
@@ -36,10 +45,32 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(nats=None, redis=None)  # none given: start our own
     p.add_argument("--host", default=env("PDSERVE_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(env("PDSERVE_PORT", "8000")))
-    p.add_argument("--mode", default=env("PDSERVE_MODE", "disaggregated"),
-                   choices=["disaggregated", "colocated", "conditional"])
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="decode workers (colocated mode: engine workers)")
+    # None below: "not given", resolved after parsing (`resolve_settings`): flag > --preset > default
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="a scenario's bundle of settings (services/presets.py); explicit flags win over it")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the resolved settings and every child's command line, start nothing")
+    p.add_argument("--mode", default=None, choices=MODES,
+                   help="default: $PDSERVE_MODE, else disaggregated")
+    p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
+    p.add_argument("--decode", type=int, default=None,
+                   help="decode workers (colocated mode: engine workers) (default 1)")
+    p.add_argument("--hosts", type=int, default=None,
+                   help="play N hosts on this machine: a kvstore each, the workers spread over them (default 1)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="every engine's tokens per step: the chunked-prefill budget (default: the worker's)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="every engine's running sequences per step (default: the worker's)")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="the engines' prefix cache (default: on)")
+    p.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="the engines' chunked prefill (default: on)")
+    p.add_argument("--router", default=None, choices=ROUTERS,
+                   help="the gateway's choice of worker (default: the gateway's, cache-aware)")
+    p.add_argument("--hot-spot-factor", type=float, default=None, help="the gateway's cache-aware hot-spot guard")
+    p.add_argument("--conditional-threshold", type=int, default=None, help="the gateway's (conditional mode)")
+    p.add_argument("--conditional-busy-threshold", type=int, default=None, help="the gateway's (conditional mode)")
+    p.add_argument("--conditional-queue-tokens", type=int, default=None, help="the gateway's (conditional mode)")
     p.add_argument("--model", default=env("PDSERVE_MODEL"))
     p.add_argument("--dtype", default=env("PDSERVE_DTYPE", "float32"), help="activations (see `pdserve decode --help`)")
     p.add_argument("--quantization", default=env("PDSERVE_QUANTIZATION", "auto"), choices=["auto", "none"])
@@ -53,6 +84,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-core-share", action="store_true",
                    help="each worker keeps to its own --threads, even while the others are idle")
     add_speculative_args(p)
+    p.set_defaults(speculative=None)  # resolved like the others: flag > preset > $PDSERVE_SPECULATIVE or suffix
     p.add_argument("--api-key", default=env("PDSERVE_API_KEY"))
     p.add_argument("--price", default=env("PDSERVE_PRICE", ""), metavar="prefill=P,decode=D,gb=G,currency=C",
                    help="what a second of prefill, a second of decode and a GB of KV moved cost: each response's "
@@ -62,6 +94,107 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default=None, help="logs and server state (default: a temp dir)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker")
     p.add_argument("--gateway-arg", action="append", default=[], help="extra argument for the gateway")
+
+
+# ------------------------------------------------------------------------------- settings
+
+# What `resolve_settings` fills in, in the order `up` prints them. The engine settings reach every
+# worker as worker arguments, the routing ones the gateway as gateway arguments; a setting left at
+# its default is not passed on (the child's own default, environment included, is today's).
+SETTINGS = ("mode", "prefill", "decode", "hosts", "max_num_batched_tokens", "prefix_caching", "chunked_prefill",
+            "speculative", "max_num_seqs", "router", "hot_spot_factor", "conditional_threshold",
+            "conditional_busy_threshold", "conditional_queue_tokens")
+ENGINE_VALUES = ("max_num_batched_tokens", "max_num_seqs")  # passed as --flag VALUE
+ENGINE_SWITCHES = ("prefix_caching", "chunked_prefill")  # passed as --no-flag when off
+GATEWAY_VALUES = ("router", "hot_spot_factor", "conditional_threshold", "conditional_busy_threshold",
+                  "conditional_queue_tokens")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One resolved `up` option and where its value came from."""
+
+    name: str  # the argparse dest
+    value: object
+    source: str  # "flag", "preset NAME" or "default"
+
+    @property
+    def given(self) -> bool:
+        return self.source != "default"
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def default_settings() -> dict[str, object]:
+    """Today's value of each setting when neither a flag nor a preset sets it: `up`'s own, and for
+    what `up` does not pass on, the worker's and the gateway's own defaults (their env included)."""
+    from services.gateway.__main__ import build_parser as gateway_parser
+
+    engine = argparse.ArgumentParser(add_help=False)
+    add_engine_args(engine)
+    gateway = gateway_parser()
+    return {"mode": env("PDSERVE_MODE", "disaggregated"), "prefill": 1, "decode": 1, "hosts": 1,
+            "prefix_caching": not engine.get_default("no_prefix_caching"),
+            "chunked_prefill": not engine.get_default("no_chunked_prefill"),
+            **{name: engine.get_default(name) for name in (*ENGINE_VALUES, "speculative")},
+            **{name: gateway.get_default(name) for name in GATEWAY_VALUES}}
+
+
+def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
+    """A copy of `args` with every setting filled in (explicit flag > preset > default) and
+    `settings`, the resolved Settings in print order. Idempotent: a resolved copy comes back as is."""
+    if hasattr(args, "settings"):
+        return args
+    preset = PRESETS[args.preset] if getattr(args, "preset", None) else None
+    from_preset = preset.settings() if preset else {}
+    defaults = default_settings()
+    resolved = argparse.Namespace(**vars(args))
+    settings = []
+    for name in SETTINGS:
+        if getattr(args, name, None) is not None:
+            setting = Setting(name, getattr(args, name), "flag")
+        elif name in from_preset:
+            setting = Setting(name, from_preset[name], f"preset {preset.name}")
+        else:
+            setting = Setting(name, defaults[name], "default")
+        setattr(resolved, name, setting.value)
+        settings.append(setting)
+    for name, least in (("prefill", 0), ("decode", 1), ("hosts", 1)):
+        if getattr(resolved, name) < least:
+            raise ValueError(f"--{name} must be at least {least}, got {getattr(resolved, name)}")
+    resolved.settings = tuple(settings)
+    return resolved
+
+
+def format_settings(args: argparse.Namespace) -> str:
+    """One line per setting: flag, value, where it came from (the extra worker/gateway args too)."""
+    preset = f" (preset {args.preset}: {PRESETS[args.preset].summary})" if args.preset else ""
+    lines = [f"pdserve up settings{preset}:"]
+    for s in args.settings:
+        value = ("on" if s.value else "off") if isinstance(s.value, bool) else s.value
+        lines.append(f"  {s.flag:<30} {value!s:<14} [{s.source}]")
+    for flag, extra in (("--worker-arg", args.worker_arg), ("--gateway-arg", args.gateway_arg)):
+        for arg in extra:  # appended last: they win over the settings above
+            lines.append(f"  {flag:<30} {arg:<14} [flag]")
+    return "\n".join(lines)
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine settings a flag or the preset gave, as worker arguments."""
+    argv = []
+    for s in args.settings:
+        if s.given and s.name in ENGINE_VALUES:
+            argv += [s.flag, str(s.value)]
+        elif s.given and s.name in ENGINE_SWITCHES and not s.value:
+            argv.append("--no-" + s.flag[2:])
+    return argv
+
+
+def gateway_argv(args: argparse.Namespace) -> list[str]:
+    """The routing settings a flag or the preset gave, as gateway arguments."""
+    return [arg for s in args.settings if s.given and s.name in GATEWAY_VALUES for arg in (s.flag, str(s.value))]
 
 
 class Stack:
@@ -113,6 +246,7 @@ class Stack:
 
 
 def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
+    args = resolve_settings(args)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pdserve-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
     stack = Stack(workdir)
@@ -139,6 +273,25 @@ def _start(stack: Stack, args: argparse.Namespace) -> None:
         server = start_valkey(workdir=stack.workdir / "valkey", password=args.redis_password)
         stack.add_server(server)
         redis_url = server.url
+    for child in plan_children(args, model, connection_argv(args, nats_url, redis_url), stack.workdir):
+        stack.spawn(child.name, child.module, child.args, stage=child.stage)
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """One service process `up` starts: supervised under `name`, stopped at `stage`."""
+
+    name: str
+    module: str
+    args: list[str]
+    stage: int
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", self.module, *self.args]
+
+
+def connection_argv(args: argparse.Namespace, nats_url: str, redis_url: str) -> list[str]:
+    """Where NATS and Valkey are, and how to log in: the first arguments of every service."""
     auth = []
     for flag, value in (("--nats-user", args.nats_user), ("--nats-password", args.nats_password),
                         ("--nats-token", args.nats_token), ("--redis-password", args.redis_password)):
@@ -147,42 +300,80 @@ def _start(stack: Stack, args: argparse.Namespace) -> None:
     conn = ["--nats", nats_url, "--redis", redis_url, *auth]
     if args.otlp_endpoint:  # every service traces, and exports to the same collector
         conn += ["--otlp-endpoint", args.otlp_endpoint, "--trace-sample-ratio", str(args.trace_sample_ratio)]
-    store = f"kv-up-{os.getpid()}"
-    model_args = ["--model", model, "--dtype", args.dtype, "--quantization", args.quantization,
-                  "--kv-dtype", args.kv_dtype, "--device", args.device, *speculative_argv(args)]
+    return conn
+
+
+def store_names(hosts: int, pid: int) -> list[str]:
+    """One kvstore per (played) host; a single host keeps the plain name."""
+    return [f"kv-up-{pid}"] if hosts == 1 else [f"kv-up-{pid}-h{i}" for i in range(hosts)]
+
+
+def plan_children(args: argparse.Namespace, model: str, conn: list[str], workdir: Path) -> list[ChildSpec]:
+    """The services of a resolved `args`, in start order: kvstores, prefill, decode, gateway.
+    Worker i of each role sits on host i % hosts and uses that host's kvstore:
+
+        hosts=2   kv-…-h0: prefill-0 decode-0 prefill-2 …   kv-…-h1: prefill-1 decode-1 …
+    """
     colocated = args.mode == "colocated"
+    stores = store_names(args.hosts, os.getpid())
+    model_args = ["--model", model, "--dtype", args.dtype, "--quantization", args.quantization,
+                  "--kv-dtype", args.kv_dtype, "--device", args.device, *speculative_argv(args), *engine_argv(args)]
     n_engines = args.decode + (0 if colocated else args.prefill)
     threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, n_engines))
-    worker = conn + model_args + ["--kvstore", store, "--threads", str(threads)] + args.worker_arg
-    if args.kv_network:
-        worker.append("--kv-network")
     slots = iter(range(n_engines))
 
-    def share() -> list[str]:  # each engine lends its cores to the others while it is idle
-        return [] if args.no_core_share else ["--core-share", str(stack.workdir / "cores"), "--core-slot",
-                                              str(next(slots))]
+    def worker(i: int, *own: str) -> list[str]:
+        argv = conn + model_args + ["--kvstore", stores[i % len(stores)], "--threads", str(threads)] + args.worker_arg
+        if args.kv_network:
+            argv.append("--kv-network")
+        if not args.no_core_share:  # each engine lends its cores to the others while it is idle
+            own += ("--core-share", str(workdir / "cores"), "--core-slot", str(next(slots)))
+        return argv + list(own)
 
+    children = []
     if not colocated:
-        stack.spawn("kvstore", "services.kvstore",
-                    [*conn, "--model", model, "--dtype", args.kv_dtype, "--store", store,
-                     "--num-slots", str(args.kv_slots)],
-                    stage=STAGE_KVSTORE)
+        for h, store in enumerate(stores):
+            children.append(ChildSpec("kvstore" if len(stores) == 1 else f"kvstore-h{h}", "services.kvstore",
+                                      [*conn, "--model", model, "--dtype", args.kv_dtype, "--store", store,
+                                       "--num-slots", str(args.kv_slots)], STAGE_KVSTORE))
         for i in range(args.prefill):
-            stack.spawn(f"prefill-{i}", "services.prefill", worker + ["--instance", f"prefill-{i}", *share()],
-                        stage=STAGE_WORKERS)
+            children.append(ChildSpec(f"prefill-{i}", "services.prefill", worker(i, "--instance", f"prefill-{i}"),
+                                      STAGE_WORKERS))
+    role = "colocated" if colocated else "decode"
     for i in range(args.decode):
-        role = "colocated" if colocated else "decode"
-        stack.spawn(f"{role}-{i}", "services.decode",
-                    worker + ["--role", role, "--instance", f"{role}-{i}", *share()], stage=STAGE_WORKERS)
-    expect = {"colocated": args.decode} if colocated else {"prefill": args.prefill, "decode": args.decode, "kvstore": 1}
+        children.append(ChildSpec(f"{role}-{i}", "services.decode",
+                                  worker(i, "--role", role, "--instance", f"{role}-{i}"), STAGE_WORKERS))
+    expect = ({"colocated": args.decode} if colocated else
+              {"prefill": args.prefill, "decode": args.decode, "kvstore": len(stores)})
     gateway = conn + ["--model", model, "--host", args.host, "--port", str(args.port), "--mode", args.mode,
                       "--expect", ",".join(f"{role}={n}" for role, n in expect.items())]
     if args.api_key:
         gateway += ["--api-key", args.api_key]
     if args.price:
         gateway += ["--price", args.price]
-    gateway += args.gateway_arg
-    stack.spawn("gateway", "services.gateway", gateway, stage=STAGE_GATEWAY)
+    gateway += gateway_argv(args) + args.gateway_arg
+    children.append(ChildSpec("gateway", "services.gateway", gateway, STAGE_GATEWAY))
+    return children
+
+
+def format_plan(args: argparse.Namespace) -> str:
+    """What `up` would start (--dry-run): the embedded servers (their ports are picked at start),
+    then each service's exact command line. The default model is not pulled for this."""
+    from shared.model.hub import DEFAULT_MODEL_ID, default_model_path, resolve_model_path
+
+    workdir = Path(args.workdir or os.path.join(tempfile.gettempdir(), "pdserve-up-XXXXXXXX"))
+    default = args.model in (None, DEFAULT_MODEL_ID, "default")
+    model = default_model_path() if default else resolve_model_path(args.model)
+    lines = ["pdserve up would start:"]
+    if args.nats is None:
+        lines.append(f"  {'nats':<12} nats-server -js on a free port (NATS_PORT), state in {workdir / 'nats'}")
+    if args.redis is None:
+        lines.append(f"  {'valkey':<12} valkey-server on a free port (VALKEY_PORT), state in {workdir / 'valkey'}")
+    conn = connection_argv(args, args.nats or "nats://127.0.0.1:NATS_PORT",
+                           args.redis or "redis://127.0.0.1:VALKEY_PORT")
+    for child in plan_children(args, str(model), conn, workdir):
+        lines.append(f"  {child.name:<12} {shlex.join(child.argv())}")
+    return "\n".join(lines)
 
 
 def _build_cpu_extension(args: argparse.Namespace) -> None:
@@ -214,6 +405,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         if not orderly:  # still starting: break out of whatever start-up is waiting on
             raise KeyboardInterrupt
 
+    args = resolve_settings(args)
+    print(format_settings(args), flush=True)
+    if args.dry_run:
+        print(format_plan(args), flush=True)
+        return 0
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     stack = None
