@@ -52,7 +52,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--input-len", type=_range, default=None, help="prompt tokens, N or MIN-MAX (override)")
     load.add_argument("--output-len", type=_range, default=None, help="output tokens, N or MIN-MAX (override)")
-    load.add_argument("--prefix-len", type=int, default=1200, help="shared-prefix: tokens in the shared prefix")
+    load.add_argument("--prefix-len", type=int, default=1200,
+                      help="shared-prefix: tokens in the shared prefix; doc-qa: in each user's document")
+    load.add_argument("--users", type=int, default=8, help="doc-qa: users, each asking about their own document")
     load.add_argument("--tokenizer", default=None, help="GGUF file or HF directory: exact prompt lengths")
 
     mix = p.add_argument_group("interference workload")
@@ -82,7 +84,7 @@ def bench_config(args: argparse.Namespace):
         base_url=args.base_url, model=args.model, endpoint=args.endpoint, workload=args.workload,
         dataset=args.dataset, num_requests=args.num_requests, duration_s=args.duration,
         request_rates=args.request_rate, max_concurrency=args.max_concurrency, seed=args.seed,
-        prompt_tokens=args.input_len, output_tokens=args.output_len, prefix_tokens=args.prefix_len,
+        prompt_tokens=args.input_len, output_tokens=args.output_len, prefix_tokens=args.prefix_len, users=args.users,
         long_interval_s=args.long_interval, long_prompt_tokens=args.long_input_len,
         long_output_tokens=args.long_output_len, warmup_s=args.warmup,
         interference_phases=tuple(x.strip() for x in args.phases.split(",") if x.strip()),

@@ -50,6 +50,7 @@ class RequestRecord:
     # pdserve's usage.cost and usage.timing_ms (other servers send none): what `pdserve cost` reads
     cost: dict[str, Any] | None = None
     timing_ms: dict[str, float] | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server sends it
 
     @property
     def ok(self) -> bool:
@@ -173,6 +174,8 @@ async def _stream(client: httpx.AsyncClient, target: Target, spec: RequestSpec, 
                 rec.output_tokens = int(usage.get("completion_tokens") or 0)
                 rec.prompt_tokens = int(usage.get("prompt_tokens") or rec.prompt_tokens)
                 rec.cost, rec.timing_ms = usage.get("cost"), usage.get("timing_ms")
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                rec.cached_tokens = int(cached) if cached is not None else None
             for choice in event.get("choices") or []:
                 text = (choice.get("delta") or {}).get("content") if text_key else choice.get("text")
                 if text:

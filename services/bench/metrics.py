@@ -97,6 +97,9 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO = SL
         "itl_ms": distribution(x for r in done for x in itls_after(r, itl_from_s)),
         "e2el_ms": distribution(r.e2el_s for r in done),
         "goodput": None,
+        # prompt tokens the server found in its prefix cache (None: it does not say)
+        "prefix_hit_rate": (sum(r.cached_tokens for r in done) / max(1, in_tokens)
+                            if done and all(r.cached_tokens is not None for r in done) else None),
     }
     if slo.given:
         good = sum(1 for r in records if slo.met_by(r))

@@ -36,6 +36,8 @@ def format_summary(summary: dict[str, Any]) -> list[str]:
         _row("Output token throughput (tok/s):", summary["output_throughput"]),
         _row("Total token throughput (tok/s):", summary["total_token_throughput"]),
     ]
+    if summary.get("prefix_hit_rate") is not None:
+        lines.append(_row("Prefix cache hit rate (%):", 100.0 * summary["prefix_hit_rate"]))
     good = summary.get("goodput")
     if good:
         slos = ", ".join(f"{name} <= {good[key]:g} ms" for name, key in (("TTFT", "slo_ttft_ms"), ("TPOT", "slo_tpot_ms"))

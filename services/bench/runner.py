@@ -49,7 +49,8 @@ class BenchConfig:
     seed: int = 0
     prompt_tokens: tuple[int, int] | None = None  # override the workload's ranges (inclusive)
     output_tokens: tuple[int, int] | None = None
-    prefix_tokens: int = 1200  # shared-prefix: the prefix's length
+    prefix_tokens: int = 1200  # shared-prefix: the prefix's length; doc-qa: each user's document's
+    users: int = 8  # doc-qa: users, each with their own document
     long_interval_s: float = 5.0  # interference: a long-doc prompt every this many seconds
     long_prompt_tokens: tuple[int, int] | None = None
     long_output_tokens: tuple[int, int] | None = None
@@ -169,7 +170,7 @@ async def run_benchmark_async(config: BenchConfig, transport: httpx.AsyncBaseTra
         else:
             workload = Dataset(config.dataset) if config.dataset else Workload(
                 config.workload, config.seed, prompt_tokens=config.prompt_tokens, output_tokens=config.output_tokens,
-                prefix_tokens=config.prefix_tokens, text=text)
+                prefix_tokens=config.prefix_tokens, text=text, users=config.users)
             for k, rate in enumerate(config.request_rates):
                 runs.append(await _run_open(config, target, client, workload, rate, first=k * RUN_INDEX_STRIDE))
     return BenchResult(config, model, started, runs)

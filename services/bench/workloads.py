@@ -8,6 +8,8 @@ unless a tokenizer is given, which makes it exact for that tokenizer.
     chat           100–300-token prompts, 128–256 output tokens
     long-doc       1,500–3,000-token prompts, 32–128 output tokens
     shared-prefix  one ~1,200-token prefix shared by every request + a distinct 20–60-token question
+    doc-qa         reuse-heavy: `users` users, each with its own ~1,200-token document (--prefix-len),
+                   asking question after question (request i: user i mod users) of 20–60 tokens
     interference   chat streams at fixed concurrency while long-doc prompts arrive (see runner.py)
     grounded       answers that reuse their prompt (speculative decoding's case), in turn: a code edit
                    that returns the given function, a summary that quotes the given text, records
@@ -26,7 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-WORKLOADS = ("chat", "long-doc", "shared-prefix", "interference", "grounded", "open")
+WORKLOADS = ("chat", "long-doc", "shared-prefix", "doc-qa", "interference", "grounded", "open")
 
 # Measured with SmolLM2-135M's tokenizer on text from `TextGenerator` (1.10 tokens/word: most of
 # these words are one token, a space included; the full stops and a few rarer words add the rest).
@@ -75,7 +77,7 @@ _IDENTIFIERS = [w for w in _WORDS if w.isidentifier() and not keyword.iskeyword(
 @dataclass(frozen=True)
 class RequestSpec:
     index: int
-    kind: str  # "chat" | "long" | "shared-prefix" | "dataset"
+    kind: str  # "chat" | "long" | "shared-prefix" | "doc-qa" | "dataset"
     prompt: str
     max_tokens: int
     prompt_tokens: int  # the intended length (exact with a tokenizer, else approximate)
@@ -127,9 +129,10 @@ class Workload:
 
     def __init__(self, name: str, seed: int = 0, *, prompt_tokens: tuple[int, int] | None = None,
                  output_tokens: tuple[int, int] | None = None, prefix_tokens: int = SHARED_PREFIX_TOKENS,
-                 text: TextGenerator | None = None):
+                 text: TextGenerator | None = None, users: int = 8):
         defaults = {"chat": (CHAT_PROMPT_TOKENS, CHAT_OUTPUT_TOKENS), "long-doc": (LONG_PROMPT_TOKENS, LONG_OUTPUT_TOKENS),
                     "shared-prefix": (SUFFIX_TOKENS, SHARED_PREFIX_OUTPUT_TOKENS),
+                    "doc-qa": (SUFFIX_TOKENS, SHARED_PREFIX_OUTPUT_TOKENS),
                     "grounded": (GROUNDED_PROMPT_TOKENS, GROUNDED_OUTPUT_TOKENS),
                     "open": (OPEN_PROMPT_TOKENS, OPEN_OUTPUT_TOKENS)}
         if name not in defaults:
@@ -139,7 +142,11 @@ class Workload:
         self.output_tokens = _check_range(output_tokens or defaults[name][1], "output tokens")
         self.text = text or TextGenerator()
         self.prefix_tokens = prefix_tokens
+        if users < 1:
+            raise ValueError(f"users must be >= 1, got {users}")
+        self.users = users
         self._prefix: str | None = None
+        self._docs: dict[int, str] = {}
 
     def request(self, index: int) -> RequestSpec:
         rng = _rng(self.seed, self.name, index)
@@ -153,6 +160,10 @@ class Workload:
             return RequestSpec(index, "chat", f"{body}\nWrite a long answer about the text above.", n_out, n_prompt)
         if self.name == "long-doc":
             return RequestSpec(index, "long", f"Document:\n{body}\nSummarise the document above.", n_out, n_prompt)
+        if self.name == "doc-qa":
+            user = index % self.users
+            prompt = f"{self.document(user)}\nQuestion {index // self.users}: {body}"
+            return RequestSpec(index, "doc-qa", prompt, n_out, self.prefix_tokens + n_prompt)
         prompt = f"{self.shared_prefix()}\nQuestion {index}: {body}"
         return RequestSpec(index, "shared-prefix", prompt, n_out, self.prefix_tokens + n_prompt)
 
@@ -177,6 +188,13 @@ class Workload:
             rows.append(f"{rng.choice(_NAMES).capitalize()} lives in {rng.choice(_CITIES).capitalize()} and is "
                         f"{rng.randint(18, 90)} years old.")
         return " ".join(rows) + '\n\nList every person above as JSON lines {"name": ..., "city": ..., "age": ...}.'
+
+    def document(self, user: int) -> str:
+        """User `user`'s own document (doc-qa): the prefix every one of their questions repeats."""
+        if user not in self._docs:
+            body = self.text.text(_rng(self.seed, "doc", user), self.prefix_tokens)
+            self._docs[user] = f"Document of user {user}.\n{body}\nEnd of the document."
+        return self._docs[user]
 
     def shared_prefix(self) -> str:
         if self._prefix is None:
