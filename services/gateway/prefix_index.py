@@ -6,8 +6,9 @@ its own copy of the index from them, so gateways agree without talking to each o
 
     start    subscribe to pd.cache.events.> (buffering) → read the snapshots in Valkey (pd:cache:*)
              → replay the buffer on top
-    follow   batch seq = last + 1: apply · same seq: a keepalive · a gap or a new epoch mid-way:
-             ask the location for its snapshot (pd.cache.sync.<loc>), buffer until it answers
+    follow   batch seq = last + 1: apply · same seq: a keepalive · a gap (a batch, or a keepalive,
+             ahead of the last seq + 1) or a new epoch mid-way: ask the location for its snapshot
+             (pd.cache.sync.<loc>), buffer until it answers
     forget   a location that says it is gone, or is not heard from for `forget_after_s`
 
 `match(keys)` answers, for a prompt's block keys (the shared `block_hash` contract), how many
@@ -112,14 +113,15 @@ class PrefixIndex:
             self.forget(ev.location)
             loc = self.locations[ev.location] = _Location(epoch=ev.epoch)
         loc.heard = time.monotonic()
+        keepalive = not ev.stored and not ev.evicted  # a batch always holds a change
         if loc.buffered is not None:
             loc.buffered.append(ev)
         elif ev.epoch == loc.epoch and ev.seq <= loc.seq:
             pass  # a keepalive, or a batch already applied
-        elif ev.epoch == loc.epoch and ev.seq == loc.seq + 1:
+        elif ev.epoch == loc.epoch and ev.seq == loc.seq + 1 and not keepalive:
             self._change(ev.location, loc, ev.stored, ev.evicted)
             loc.seq = ev.seq
-        else:  # batches were lost, or we met it mid-way through a new epoch
+        else:  # batches were lost (a keepalive ahead of us says so too), or a new epoch met mid-way
             self._resync(ev.location, loc, ev)
 
     def load(self, snap: CacheSnapshot) -> None:
@@ -176,9 +178,10 @@ class PrefixIndex:
         buffered, loc.buffered = loc.buffered or [], None
         if snap is not None:
             self.load(snap)
-        else:  # keep the keys we have (stale ones are misses) and follow on from the newest batch
+        else:  # keep the keys we have (stale ones are misses) and follow on from the newest message
             newest = buffered[-1]
-            loc.epoch, loc.seq, buffered = newest.epoch, newest.seq - 1, [newest]
+            loc.epoch, loc.seq = newest.epoch, newest.seq - (1 if newest.stored or newest.evicted else 0)
+            buffered = [newest]
         for ev in buffered:
             if ev.epoch == loc.epoch and ev.seq > loc.seq:
                 self.apply(ev)

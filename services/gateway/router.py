@@ -1,15 +1,18 @@
 """Where each job goes: which worker, and (conditional mode) which pool prefills it.
 
-    cost(w) = blocks w must still compute for this prompt + load(w)           (cache-aware)
-    load(w) = prompt tokens queued at w (its stats) + tokens this gateway sent w that it has not
-              taken yet + DECODE_WEIGHT × KV tokens its running sequences hold (decode-side roles)
+    cost(w) = tokens w must still compute for this prompt + load(w)           (cache-aware)
+    load(w) = prompt tokens queued at w (its stats) + tokens this gateway sent w that its stats do
+              not show yet + DECODE_WEIGHT × KV tokens its running sequences hold (decode-side roles)
+    busy(w) = requests running and waiting at w + jobs sent and not in its stats yet
 
 The prompt's cached blocks at w are the longer of the prefixes held by w's own engine cache and (a
 prefill worker) by its host's kvstore (the routing index, `prefix_index.py`). Cache-aware routing is Dynamo's KV-router
 cost (overlap-weighted blocks to prefill + active blocks) with SGLang's guard against the "death
-spiral": a worker whose load is above the mean by `hot_spot_factor` (and above HOT_MIN_TOKENS) is
-not chosen for its cache — its cached blocks do not count — so a popular prefix spreads to a
-second worker instead of queueing behind the first. Ties go to the less loaded, then in turn.
+spiral": a worker busier than the mean by `hot_spot_factor` (and by HOT_MIN_REQUESTS more than the
+least busy) is not chosen for its cache — its cached blocks do not count — so a popular prefix
+spreads to a second worker instead of piling its streams onto the first. The guard counts requests,
+not tokens: a cached prompt costs its holder little to start, but every stream it keeps there
+slows that worker's steps for all of them. Ties go to the less loaded, then in turn.
 `least-loaded` is the cost without the cache term; `round-robin` takes live workers in turn.
 
 The job goes to the chosen worker's own subject (pd.prefill.jobs.<inst>, pd.decode.direct.<inst>);
@@ -34,8 +37,13 @@ from shared.kvcache.block_hash import block_keys
 from shared.protocol import subjects
 from shared.protocol.messages import WorkerStats
 
-DECODE_WEIGHT = 0.25  # a KV token a running sequence holds, against a prompt token still to compute
-HOT_MIN_TOKENS = 256  # below this much load nobody is a hot spot (an idle pool's noise)
+# A KV token a running sequence holds, against a prompt token still to compute: what a running
+# sequence adds to the wait of a new prompt is its share of each step (one row, attention over its
+# context), small beside computing its whole context again — a 900-token conversation weighs 45
+# prompt tokens. (Dynamo weighs a decode block like a block to prefill; on a GPU the KV budget is
+# what binds, on this CPU the prefill compute is.)
+DECODE_WEIGHT = 0.05
+HOT_MIN_REQUESTS = 4  # a worker is a hot spot only with at least this many more requests than the least busy
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,8 @@ class Route:
 class _Candidate:
     stats: WorkerStats
     cached_blocks: int
-    load: float
+    load: float  # in prompt tokens
+    busy: int  # in requests
 
 
 class Router:
@@ -106,9 +115,10 @@ class Router:
         if policy == "round-robin":
             best, reason = min(cands, key=lambda c: order[c.stats.instance]), "turn"
         else:
-            mean = sum(c.load for c in cands) / len(cands)
+            mean = sum(c.busy for c in cands) / len(cands)
+            least = min(c.busy for c in cands)
             hot = {c.stats.instance for c in cands
-                   if len(cands) > 1 and c.load > HOT_MIN_TOKENS and c.load > self.config.hot_spot_factor * mean}
+                   if c.busy - least >= HOT_MIN_REQUESTS and c.busy > self.config.hot_spot_factor * mean}
 
             def cached(c: _Candidate) -> int:
                 if policy != "cache-aware" or c.stats.instance in hot:
@@ -131,26 +141,32 @@ class Router:
         if s.kvstore and s.role == "prefill":  # a prefill worker reads its host store's prefixes; a
             # decode worker prefilling a whole prompt (conditional) has only its engine's
             blocks = max(blocks, matches.get(subjects.cache_location("store", s.kvstore), 0))
-        return _Candidate(s, blocks, self.load(s))
+        return _Candidate(s, blocks, self.load(s), self.busy(s))
 
     def load(self, s: WorkerStats) -> float:
         active = s.kv_blocks_in_use * self.block_size if s.role in ("decode", "colocated") else 0
         return s.queued_tokens + self.pending_tokens(s) + DECODE_WEIGHT * active
+
+    def busy(self, s: WorkerStats) -> int:
+        return s.running + s.waiting + len(self._pending_jobs(s))
 
     def queued(self, role: str) -> int:
         """Prompt tokens waiting in the pool of `role` (reported, plus sent and not in a report yet)."""
         return sum(s.queued_tokens + self.pending_tokens(s) for s in self.live_workers(role))
 
     def pending_tokens(self, s: WorkerStats) -> int:
+        return sum(tokens for tokens, _ in self._pending_jobs(s).values())
+
+    def _pending_jobs(self, s: WorkerStats) -> dict[int, list]:
         jobs = self.pending.get(s.instance)
         if not jobs:
-            return 0
+            return {}
         heard = self.heard_at(s.role, s.instance) if self.heard_at is not None else float("inf")
         for job in [j for j, (_, taken_at) in jobs.items() if taken_at is not None and heard > taken_at]:
             del jobs[job]  # the worker's own report counts it now
         if not jobs:
             del self.pending[s.instance]
-        return sum(tokens for tokens, _ in jobs.values())
+        return jobs
 
     def _take(self, route: Route, *, reason: str | None = None, pool: str | None = None) -> Route:
         job = next(self._jobs)

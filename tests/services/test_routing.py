@@ -13,7 +13,7 @@ import pytest
 
 from services.gateway.config import GatewayConfig
 from services.gateway.prefix_index import PrefixIndex
-from services.gateway.router import HOT_MIN_TOKENS, Router
+from services.gateway.router import HOT_MIN_REQUESTS, Router
 from shared.kvcache.block_hash import block_keys
 from shared.kvcache.block_pool import BlockPool
 from shared.protocol import subjects
@@ -49,7 +49,7 @@ def test_match_counts_leading_blocks_per_location():
     assert index.match(k)["worker.a"] == 2
 
 
-def test_duplicates_keepalives_and_a_restart_are_handled_without_a_snapshot():
+async def test_duplicates_keepalives_and_a_restart_are_handled_without_a_snapshot():
     k = keys(list(range(3 * BS)))
     index = PrefixIndex()
     index.apply(ev("worker.a", 0))  # keepalive of a location with nothing yet
@@ -57,6 +57,11 @@ def test_duplicates_keepalives_and_a_restart_are_handled_without_a_snapshot():
     index.apply(ev("worker.a", 1, k[:3]))  # a duplicate of batch 1: ignored
     index.apply(ev("worker.a", 1))  # keepalive
     assert index.match(k) == {"worker.a": 2}
+    index.apply(ev("worker.a", 2))  # a keepalive ahead of us: batch 2 was lost → ask for the snapshot
+    assert index.locations["worker.a"].buffered is not None and index.resyncs == 1
+    await asyncio.sleep(0.05)  # nobody answers (no NATS here): keep what we have, follow from seq 2 on
+    assert index.locations["worker.a"].buffered is None and index.locations["worker.a"].seq == 2
+    assert index.resyncs == 1 and index.match(k) == {"worker.a": 2}
     index.apply(ev("worker.a", 1, k[:1], epoch="e2"))  # restarted: starts empty, first batch applies
     assert index.match(k) == {"worker.a": 1}
     index.apply(ev("worker.a", 2, gone=True, epoch="e2"))
@@ -170,14 +175,21 @@ def test_cache_aware_goes_to_the_holder_and_spills_over_when_it_is_hot():
     assert (r.target, r.reason, r.subject) == ("w1", "cache", subjects.worker_jobs(subjects.PREFILL_JOBS, "w1"))
     assert r.cached_tokens == 39 * BS  # the block holding the last token is computed (a worker computes ≥ 1 token)
     router.taken(r)
-    # w1 gets busy: still the holder while its load is within the hot-spot factor of the mean …
-    fleet.stats["w1"].queued_tokens = HOT_MIN_TOKENS + 10
-    fleet.stats["w0"].queued_tokens = HOT_MIN_TOKENS
+    # w1 gets busy: still the holder while it has few more requests than w0 …
+    fleet.stats["w1"].running = HOT_MIN_REQUESTS - 1
     assert router.route(p).target == "w1"
-    # … but not once it is well above it: the prefix spreads to the other worker
-    fleet.stats["w1"].queued_tokens = 4000
+    # … and while it is within the hot-spot factor of the mean …
+    fleet.stats["w1"].running, fleet.stats["w0"].running = 10, 6
+    assert router.route(p).target == "w1"
+    # … but not once it is both: the prefix spreads to the other worker (which must compute it)
+    fleet.stats["w1"].running, fleet.stats["w0"].running = 10, 1
     r = router.route(p)
     assert (r.target, r.reason, r.cached_tokens) == ("w0", "hot-spot", 0)
+    # a holder whose load in tokens is well above the other's still wins while the cost says so:
+    # its running sequences weigh far less than computing the prompt again
+    fleet.stats["w1"].running, fleet.stats["w0"].running = 3, 0
+    fleet.stats["w1"].kv_blocks_in_use = 3 * 60
+    assert router.route(p).target == "w1"
 
 
 def test_zero_reuse_spreads_like_least_loaded():
