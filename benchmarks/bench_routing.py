@@ -11,7 +11,7 @@ every arm alike.
                                     question (an odd number of users, so round-robin does not
                                     partition them by accident)
               --trace chat          zero reuse: every prompt distinct
-              --topology conditional --arm-flag --conditional-threshold --arms 1,128,256,512
+              --topology conditional --arm-flag=--conditional-threshold --arms 1,256,1024
                                     where conditional mode's threshold should be on this machine
     presets   --presets chat,long-doc,batch,platform on the scenario given by --trace
 

@@ -52,7 +52,9 @@ class Route:
     target: str = ""  # the worker chosen ("": the shared queue, any worker of the pool)
     pool: str = "prefill"  # prefill | decode (conditional: prefilled by a decode worker) | colocated
     cached_tokens: int = 0  # what the router expects the target to find cached
-    reason: str = ""  # cache | load | turn | hot-spot | shared (no live worker known); conditional: short | cached | busy | long
+    # cache | load | turn | hot-spot | shared (no live worker known); conditional: short | cached (at
+    # least half the prompt cached at the decode worker) | busy | long
+    reason: str = ""
     tokens: int = 0  # tokens the target must compute (its pending load until its stats show the job)
     job: int = -1  # this gateway's number for the job (its pending entry)
 
@@ -95,7 +97,8 @@ class Router:
             direct = self._choose("decode", subjects.DECODE_DIRECT, n, matches) or Route(subjects.DECODE_DIRECT)
             uncached = n - direct.cached_tokens
             if uncached < cfg.conditional_threshold:
-                return self._take(direct, reason="short" if direct.cached_tokens == 0 else "cached", pool="decode")
+                mostly_cached = 2 * direct.cached_tokens >= n
+                return self._take(direct, reason="cached" if mostly_cached else "short", pool="decode")
             if uncached < cfg.conditional_busy_threshold and self.queued("prefill") > cfg.conditional_queue_tokens:
                 return self._take(direct, reason="busy", pool="decode")
             chosen = self._choose("prefill", subjects.PREFILL_JOBS, n, matches)

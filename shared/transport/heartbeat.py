@@ -16,17 +16,23 @@ from shared.protocol.messages import WorkerStats, encode
 log = logging.getLogger(__name__)
 
 
+async def publish_stats(nc, s: WorkerStats) -> bytes:
+    """Stamp and publish one WorkerStats on pd.stats.<role>.<inst>; returns it encoded."""
+    s.ts = time.time()
+    data = encode(s)
+    try:
+        await nc.publish(subjects.stats(s.role, s.instance), data)
+    except Exception as exc:
+        log.warning("stats publish failed: %s", exc)
+    return data
+
+
 async def heartbeat(nc, redis, stats: Callable[[], WorkerStats], stop: asyncio.Event,
                     interval: float = 0.25, registry_interval: float = 1.0, ttl: float = 5.0) -> None:
     registered = float("-inf")
     while not stop.is_set():
         s = stats()
-        s.ts = time.time()
-        data = encode(s)
-        try:
-            await nc.publish(subjects.stats(s.role, s.instance), data)
-        except Exception as exc:
-            log.warning("stats publish failed: %s", exc)
+        data = await publish_stats(nc, s)
         if redis is not None and time.monotonic() - registered >= registry_interval:
             registered = time.monotonic()
             try:

@@ -20,7 +20,7 @@ from shared.protocol.messages import (Cancel, ErrorCode, ResetReply, Timing, Tok
                                      encode)
 from shared.transport import nats_bus, valkey
 from shared.transport.cache_events import CachePublisher
-from shared.transport.heartbeat import heartbeat
+from shared.transport.heartbeat import heartbeat, publish_stats
 from shared.transport.kv_client import KVStoreClient, KVStoreError
 
 log = logging.getLogger(__name__)
@@ -206,12 +206,7 @@ class WorkerRuntime:
     async def report_load(self) -> None:
         """Publish stats now, ahead of the event that ends a request's work here: the gateway's router
         then never judges this worker by a load reading taken while that work was still running."""
-        s = self.stats()
-        s.ts = time.time()
-        try:
-            await self.nc.publish(subjects.stats(s.role, s.instance), encode(s))
-        except Exception as exc:
-            log.warning("stats publish failed: %s", exc)
+        await publish_stats(self.nc, self.stats())
 
     async def publish_final(self, request_id: str, index: int, token_ids: list[int], *, finish_reason: str,
                             stop_reason, prompt_tokens: int, completion_tokens: int, cached_tokens: int,

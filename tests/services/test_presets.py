@@ -232,9 +232,4 @@ def test_each_preset_starts_and_serves(tmp_path, name):
     assert f"[preset {name}]" in log and "pdserve is up" in log
 
 
-@pytest.mark.slow
-def test_two_played_hosts_start_and_serve(tmp_path):
-    """Two kvstores; decode-1 sits on the second host and reads prefill-0's KV over the network path."""
-    texts = _serve_one_chat(["--hosts", "2", "--decode", "2", "--kv-slots", "256"], tmp_path, requests=2)
-    assert all(t.strip() for t in texts), texts
-    assert re.search(r"--hosts +2 +\[flag\]", (tmp_path / "up.log").read_text())
+# two played hosts serving through `pdserve up --hosts 2`: tests/services/test_routing_e2e.py::test_two_hosts_…
