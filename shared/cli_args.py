@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import socket
 
 from shared.config import SPEC_MODES, EngineConfig, SpecConfig, WorkerConfig
+from shared.protocol import subjects
 
 
 def env(name: str, default: str | None = None) -> str | None:
@@ -105,7 +104,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     add_connection_args(p)
     add_engine_args(p)
     p.add_argument("--instance", default=env("PDSERVE_INSTANCE"), help="unique name (default: host-pid)")
-    p.add_argument("--kvstore", default=env("PDSERVE_KVSTORE", f"kv-{_host()}"),
+    p.add_argument("--kvstore", default=env("PDSERVE_KVSTORE", f"kv-{subjects.host_token()}"),
                    help="name of this host's kvstore")
     p.add_argument("--kv-network", action="store_true", default=env("PDSERVE_KV_NETWORK") == "1",
                    help="move KV over NATS instead of shared memory (a store on another host)")
@@ -123,17 +122,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="this worker's slot in --core-share (unique per worker on the host)")
 
 
-def _host() -> str:
-    """This host's name as one NATS subject token (a dotted FQDN would not be)."""
-    return re.sub(r"[^A-Za-z0-9_\-]", "-", socket.gethostname())
-
-
 def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
     engine = engine_config(args)
     if role == "prefill":  # it samples one token per request: nothing to speculate on
         engine.speculative = SpecConfig(mode="off")
     return WorkerConfig(
-        role=role, instance=args.instance or f"{role}-{_host()}-{os.getpid()}",
+        role=role, instance=args.instance or f"{role}-{subjects.host_token()}-{os.getpid()}",
         engine=engine, **connection_fields(args), kvstore=args.kvstore, kv_use_shm=not args.kv_network,
         kv_failure_policy=args.kv_failure_policy, max_inflight=args.max_inflight, ack_wait_s=args.ack_wait,
         max_deliver=args.max_deliver, lease_ttl_s=args.lease_ttl, core_share=args.core_share,

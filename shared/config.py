@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.protocol import subjects
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
@@ -125,7 +127,4 @@ class WorkerConfig(ConnectionConfig):
         if self.max_inflight <= 0:
             raise ValueError("max_inflight must be positive")
         for name in ("instance", "kvstore"):  # both end up in NATS subjects
-            value = getattr(self, name)
-            if not value or any(c in value for c in ".*> \t\r\n"):
-                raise ValueError(f"worker {name} {value!r} must be one NATS subject token: no dots, wildcards "
-                                 "or spaces")
+            subjects.check_token(getattr(self, name))

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 from dataclasses import dataclass, field
 
 from shared.config import ConnectionConfig
 from shared.kvcache.kv_cache import BLOCK_SIZE
+from shared.protocol import subjects
 
 # A store name is one NATS subject token (pd.kv.<store>.<op>) and part of Valkey keys.
 _STORE_NAME = re.compile(r"[A-Za-z0-9_\-]+")
 
 
 def default_store_name() -> str:
-    host = re.sub(r"[^A-Za-z0-9_\-]", "-", socket.gethostname())
-    return f"kv-{host}-{os.getpid()}"
+    return f"kv-{subjects.host_token()}-{os.getpid()}"
 
 
 @dataclass(kw_only=True)

@@ -22,6 +22,9 @@ Valkey:
 
 from __future__ import annotations
 
+import re
+import socket
+
 PREFILL_STREAM = "PD_PREFILL"
 DECODE_STREAM = "PD_DECODE"
 
@@ -71,6 +74,12 @@ def cache_sync(location: str) -> str:
 
 def cache_snapshot_key(location: str) -> str:
     return f"pd:cache:{location}"
+
+
+def host_token() -> str:
+    """This host's name as one subject token (a dotted FQDN would not be): default instance and
+    kvstore names are made from it."""
+    return re.sub(r"[^A-Za-z0-9_\-]", "-", socket.gethostname())
 
 
 def check_token(name: str) -> str:

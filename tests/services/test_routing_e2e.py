@@ -14,6 +14,7 @@ cache was really hit from each response's usage.cached_tokens.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -70,25 +71,30 @@ def wait_for(probe, what: str, bound: float = 30.0):
         time.sleep(0.2)
 
 
-def stop(up) -> None:
-    up.proc.send_signal(signal.SIGTERM)
-    assert up.proc.wait(60) == 0, up.log()[-3000:]
-    assert not leftovers(up), leftovers(up)
-
-
-@pytest.fixture(scope="module")
-def colocated(tmp_path_factory):
-    up = start_up(tmp_path_factory.mktemp("routing-colocated"), "--mode", "colocated", "--decode", "2",
-                  "--speculative", "off")
+@contextlib.contextmanager
+def serving(workdir, workers: int, *args: str):
+    """`pdserve up ARGS`, healthy and with every worker's stats heard by the router; stopped with
+    SIGTERM at the end (exit 0, nothing left behind), killed if the body failed."""
+    up = start_up(workdir, *args)
     try:
         wait_up_healthy(up, timeout=150)
-        wait_for(lambda: len(httpx.get(f"{up.url}/router", timeout=10).json()["workers"]) == 2, "both workers' stats")
+        wait_for(lambda: len(httpx.get(f"{up.url}/router", timeout=10).json()["workers"]) == workers,
+                 f"{workers} workers' stats")
         yield up
-        stop(up)
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(60) == 0, up.log()[-3000:]
+        assert not leftovers(up), leftovers(up)
     finally:
         if up.proc.poll() is None:
             up.proc.kill()
             up.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory):
+    with serving(tmp_path_factory.mktemp("routing-colocated"), 2, "--mode", "colocated", "--decode", "2",
+                 "--speculative", "off") as up:
+        yield up
 
 
 def test_shared_prefix_goes_to_its_holder_then_spills_to_the_other_when_the_holder_is_hot(colocated):
@@ -160,11 +166,8 @@ def test_a_restarted_gateway_rebuilds_the_index_and_a_killed_workers_entries_go(
 
 
 def test_two_hosts_route_to_the_host_holding_the_prefix(tmp_path):
-    up = start_up(tmp_path, "--hosts", "2", "--prefill", "2", "--decode", "1", "--speculative", "off",
-                  "--kv-slots", "512")
-    try:
-        wait_up_healthy(up, timeout=150)
-        wait_for(lambda: len(httpx.get(f"{up.url}/router", timeout=10).json()["workers"]) == 3, "3 workers' stats")
+    with serving(tmp_path, 3, "--hosts", "2", "--prefill", "2", "--decode", "1", "--speculative", "off",
+                 "--kv-slots", "512") as up:
         # two documents at once: the second goes to the other host (the first host's load is the
         # first document; asked one after the other, both would go to the host that already holds
         # the chat template's blocks)
@@ -184,18 +187,10 @@ def test_two_hosts_route_to_the_host_holding_the_prefix(tmp_path):
             assert data["choices"][0]["message"] == texts[d]
         decode_log = (tmp_path / "decode-0.log").read_text()
         assert "over the network path" in decode_log  # decode-0 read the other host's blocks over NATS
-        stop(up)
-    finally:
-        if up.proc.poll() is None:
-            up.proc.kill()
-            up.proc.wait(10)
 
 
 def test_conditional_sends_short_and_mostly_cached_prompts_to_decode_and_long_ones_to_prefill(tmp_path):
-    up = start_up(tmp_path, "--mode", "conditional", "--speculative", "off")
-    try:
-        wait_up_healthy(up, timeout=150)
-        wait_for(lambda: len(httpx.get(f"{up.url}/router", timeout=10).json()["workers"]) == 2, "both workers' stats")
+    with serving(tmp_path, 2, "--mode", "conditional", "--speculative", "off") as up:
         url, doc = up.url, document(5)
         before = routed(url)
         ask(url, "What is the capital of France?")
@@ -205,8 +200,3 @@ def test_conditional_sends_short_and_mostly_cached_prompts_to_decode_and_long_on
         pools = Counter({(pool, reason): n for (pool, _, reason), n in since(url, before).items()})
         assert pools == Counter({("decode", "short"): 1, ("prefill", "long"): 1, ("decode", "cached"): 1}), pools
         assert data["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-        stop(up)
-    finally:
-        if up.proc.poll() is None:
-            up.proc.kill()
-            up.proc.wait(10)
