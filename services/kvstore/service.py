@@ -157,12 +157,11 @@ class KVStoreService:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         self._background.clear()
-        if self.cache_events is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.cache_events.withdraw(), SHUTDOWN_GRACE_S)
         if self.heartbeat is not None:
+            # leave the registry, the hints and the routing index at once, within one grace period
+            goodbyes = [self.heartbeat.withdraw()] + ([self.cache_events.withdraw()] if self.cache_events else [])
             try:
-                await asyncio.wait_for(self.heartbeat.withdraw(), SHUTDOWN_GRACE_S)
+                await asyncio.wait_for(asyncio.gather(*goodbyes), SHUTDOWN_GRACE_S)
             except Exception as exc:
                 log.warning("kvstore %s: could not withdraw from Valkey: %s", self.store, exc)
             await self.heartbeat.redis.aclose()
