@@ -63,11 +63,14 @@ class RequestChannel:
     unacked job from the shared queue is redelivered by JetStream instead."""
 
     def __init__(self, nc: NATS, request_id: str, *, inactivity_timeout_s: float, deadline_s: float,
-                 queue_timeout_s: float | None = None, resubmit=None, silent_for=None, role_of=None, max_migrations: int = 0,
-                 worker_dead_s: float = 3.0, on_close=None) -> None:
+                 queue_timeout_s: float | None = None, resubmit=None, withdraw=None, silent_for=None, role_of=None,
+                 max_migrations: int = 0, worker_dead_s: float = 3.0, on_close=None) -> None:
         self.request_id = request_id
         self._on_close = on_close  # called once with this channel when it closes (the open-channel registry)
         self._resubmit, self._silent_for, self._role_of = resubmit, silent_for, role_of
+        # `await withdraw()` deletes the current attempt's job message if it is still in its queue: a
+        # worker that never heard the Cancel (one restarted on its own subject) must not run it
+        self._withdraw = withdraw
         self._max_migrations, self._worker_dead_s = max_migrations, worker_dead_s
         self.migrations = 0  # = the attempt now running; events of earlier attempts are dropped
         self._token_ids: list[int] = []  # every output token so far (what a migration resumes after)
@@ -222,6 +225,8 @@ class RequestChannel:
         # events): cancel it so it frees its blocks
         cancel = Cancel(request_id=self.request_id, reason=f"migrated: {why}", attempt=self.migrations)
         await self._nc.publish(subjects.cancel(self.request_id), encode(cancel))
+        if self._withdraw is not None:
+            await self._withdraw()
         self.migrations += 1
         self._worker = ""
         self._queued = True  # the resubmitted job waits in the queue again
@@ -248,6 +253,8 @@ class RequestChannel:
             if not self._finished:
                 cancel = Cancel(request_id=self.request_id, reason=self._abort_reason or reason)
                 await self._nc.publish(subjects.cancel(self.request_id), encode(cancel))
+                if self._withdraw is not None:
+                    await self._withdraw()
                 log.info("request %s cancelled: %s", self.request_id, cancel.reason)
             if self._sub is not None:
                 await self._sub.unsubscribe()
@@ -316,42 +323,53 @@ class Dispatcher:
         job = PrefillJob(request_id=request_id, prompt_ids=prompt_ids, params=params, created_at=now,
                          deadline=now + cfg.request_timeout_s)
 
+        queued: list = []  # where the current attempt's job message is: [(stream, seq)]
+
+        async def publish(subject: str, message: PrefillJob) -> None:
+            ack = await self._js.publish(subject, encode(message), timeout=cfg.publish_timeout_s, headers=headers)
+            queued[:] = [(ack.stream, ack.seq)]
+
         async def resubmit(resume_ids: list[int], attempt: int) -> None:
             again = msgspec.structs.replace(job, resume_ids=resume_ids, attempt=attempt, created_at=time.time())
             # through the prefill queue in every mode: prompt + resumed tokens is a long prompt
-            await self._js.publish(subjects.PREFILL_JOBS, encode(again), timeout=cfg.publish_timeout_s,
-                                   headers=headers)
+            await publish(subjects.PREFILL_JOBS, again)
+
+        async def withdraw() -> None:
+            if not queued:
+                return
+            (stream, seq), queued[:] = queued[0], []
+            try:  # taken and acked already: a work queue has deleted it ("no message found")
+                await asyncio.wait_for(self._js.delete_msg(stream, seq), cfg.publish_timeout_s)
+            except (NatsError, TimeoutError):
+                pass  # (NATS away: a worker that missed the Cancel still skips the job past its deadline)
 
         channel = RequestChannel(
             self._nc, request_id, inactivity_timeout_s=cfg.inactivity_timeout_s, deadline_s=cfg.request_timeout_s,
             queue_timeout_s=cfg.queue_timeout_s,
-            resubmit=resubmit, silent_for=self._workers.silent_for if self._workers is not None else None,
+            resubmit=resubmit, withdraw=withdraw, silent_for=self._workers.silent_for if self._workers is not None else None,
             role_of=self._workers.role_of if self._workers is not None else None,
             max_migrations=cfg.max_migrations, worker_dead_s=cfg.worker_dead_s, on_close=self._closed)
         self._opened(channel)
         try:
             await channel.subscribe()  # first: no event can slip past us
             if after is None:
-                subject = self.route(prompt_ids, channel)
-                await self._js.publish(subject, encode(job), timeout=cfg.publish_timeout_s, headers=headers)
+                await publish(self.route(prompt_ids, channel), job)
         except (NatsError, TimeoutError) as exc:
             log.warning("request %s: could not publish the job: %s", request_id, exc)
             await channel.close("the job could not be published")
             raise service_unavailable(f"the job queue is unavailable ({type(exc).__name__}); retry shortly",
                                       code="queue_unavailable") from None
         if after is not None:
-            channel.publish_task = asyncio.create_task(self._publish_after(channel, after, job, headers))
+            channel.publish_task = asyncio.create_task(self._publish_after(channel, after, job, publish))
         return channel
 
-    async def _publish_after(self, channel: RequestChannel, after: RequestChannel, job: PrefillJob,
-                             headers: dict[str, str] | None) -> None:
+    async def _publish_after(self, channel: RequestChannel, after: RequestChannel, job: PrefillJob, publish) -> None:
         await after.progressed.wait()
         if channel.aborted or channel.closed:
             return
         job = msgspec.structs.replace(job, created_at=time.time())
-        subject = self.route(job.prompt_ids, channel)  # now: the prompt is cached somewhere
         try:
-            await self._js.publish(subject, encode(job), timeout=self._config.publish_timeout_s, headers=headers)
+            await publish(self.route(job.prompt_ids, channel), job)  # now: the prompt is cached somewhere
         except (NatsError, TimeoutError) as exc:
             log.warning("request %s: could not publish the job: %s", job.request_id, exc)
             channel.fail(ErrorCode.UNAVAILABLE, f"the job queue is unavailable ({type(exc).__name__}); retry shortly")

@@ -63,6 +63,7 @@ class ScriptedPeer:
         self.error_code = ErrorCode.INTERNAL
         self.error_at = 2
         self._stopping = False
+        self.paused = False  # True: take no jobs (they wait in their queues)
         self.token_delay = 0.004
         self.answer_ids = tokenizer.encode(ANSWER, add_special_tokens=False)
         self.jobs: dict[str, tuple[str, PrefillJob]] = {}
@@ -158,6 +159,9 @@ class ScriptedPeer:
 
     async def _fetch_loop(self, psub) -> None:
         while not self._stopping:
+            if self.paused:
+                await asyncio.sleep(0.05)
+                continue
             try:
                 msgs = await psub.fetch(batch=8, timeout=0.5)
             except TimeoutError:  # nats' own TimeoutError, or asyncio's when the client side expires
@@ -758,6 +762,23 @@ async def test_inactivity_timeout_ends_stream(make_gateway, peer):
         resp = await c.post("/v1/completions", json=COMPLETION)
         assert resp.status_code == 504 and resp.json()["error"]["code"] == "timeout"
         await peer.wait_cancel(list(peer.jobs)[-1])
+
+
+async def test_a_job_no_worker_took_is_withdrawn_from_its_queue_when_the_request_ends(make_gateway, peer):
+    """A request that times out in the queue takes its job out of the queue with it: a worker that
+    never heard the Cancel (started later, or restarted on its own subject) must not run it."""
+    gw = make_gateway(inactivity_timeout_s=0.5, queue_timeout_s=0.5)
+    async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+        await until(lambda: health_status(c), 200)
+        peer.paused = True
+        await asyncio.sleep(1.0)  # the pull requests already out expire (0.5 s)
+        resp = await c.post("/v1/completions", json=COMPLETION)
+        assert resp.status_code == 504 and "no worker took" in resp.json()["error"]["message"]
+        info = await peer.js.stream_info(subjects.PREFILL_STREAM)
+        assert info.state.messages == 0  # (work-queue retention: only unacked jobs stay)
+        peer.paused = False
+        assert (await c.post("/v1/completions", json=COMPLETION)).status_code == 200
+        assert len(peer.jobs) == 1  # the second request's; the first one's never reached a worker
 
 
 async def test_priced_gateway_reports_cost_in_usage_and_counters(make_gateway, peer):

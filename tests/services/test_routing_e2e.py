@@ -57,8 +57,13 @@ def since(url: str, before: Counter) -> Counter:
     return routed(url) - before
 
 
+def locations(url: str) -> dict[str, dict]:
+    """The gateway's routing index: location → {blocks, seq, epoch, …}."""
+    return httpx.get(f"{url}/router", timeout=10).json()["index"]["locations"]
+
+
 def index_blocks(url: str) -> dict[str, int]:
-    return {name: loc["blocks"] for name, loc in httpx.get(f"{url}/router", timeout=10).json()["index"]["locations"].items()}
+    return {name: loc["blocks"] for name, loc in locations(url).items()}
 
 
 def wait_for(probe, what: str, bound: float = 30.0):
@@ -156,13 +161,24 @@ def test_a_restarted_gateway_rebuilds_the_index_and_a_killed_workers_entries_go(
     assert since(url, before) == Counter({("colocated", holder, "cache"): 1})
     # kill the holder: its index entries are stale until its restart is heard; a request sent now
     # is routed by them, misses (the worker is dead), is resubmitted to the shared queue, and succeeds
+    location = f"worker.{holder}"
+    old_epoch = locations(url)[location]["epoch"]
     victim = colocated.children()[holder]
     os.kill(victim, signal.SIGKILL)
     data = ask(url, f"{doc}\nThird question.")
     assert data["choices"][0]["message"]["content"]
     wait_restarted(colocated, holder, victim)
-    # the restarted worker is a new epoch, starting empty: its old entries are gone from the index
-    wait_for(lambda: index_blocks(url).get(f"worker.{holder}", 0) == 0, "the dead worker's entries to go")
+    # the restarted worker is a new epoch, starting empty: the index drops the old process's entries
+    restarted = wait_for(lambda: (loc := locations(url).get(location)) and loc["epoch"] != old_epoch and loc,
+                         "the restarted worker's new epoch")
+    # and holds what the new process holds: the document only if the third question ran there (the
+    # restarted worker came up before the gateway gave up on it and took the job from its own
+    # subject), else at the other worker. A fourth question goes to that one and finds it cached.
+    holds = holder if restarted["blocks"] else next(w for w in index_blocks(url) if w != location).removeprefix("worker.")
+    before = routed(url)
+    data = ask(url, f"{doc}\nFourth question.")
+    assert since(url, before) == Counter({("colocated", holds, "cache"): 1}), (restarted, since(url, before))
+    assert data["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
 def test_two_hosts_route_to_the_host_holding_the_prefix(tmp_path):
