@@ -8,6 +8,8 @@ Kubernetes restart policy would: one process dying is an incident, not the end o
       crash loop               `max_quick_failures` exits in a row, each within `stable_s` of its
                                start → `CrashLoop` (names the child, its exit code and log tail);
                                the caller stops everything and exits non-zero
+    retire(name)               SIGTERM one child for good (the autoscaler removing a worker): it
+                               drains and exits, and is then forgotten, not restarted
     stop()                     SIGTERM by stage, highest first (gateway, then the workers together,
                                then the kvstore, then the servers), waiting for each stage to exit;
                                SIGKILL for one that outlives the timeout
@@ -77,6 +79,7 @@ class Child:
     quick_failures: int = 0  # consecutive exits within stable_s of starting
     backoff_s: float = 0.0
     restart_at: float | None = None  # set while the child is down, waiting out its backoff
+    retiring: bool = False  # SIGTERMed for good: once it exits it is forgotten, not restarted
     on_restart: list[Callable[[subprocess.Popen], None]] = field(default_factory=list)
 
     @property
@@ -120,12 +123,30 @@ class Supervisor:
                 return child
         raise KeyError(f"no child named {name!r}")
 
+    def retire(self, name: str) -> None:
+        """Stop one child for good: SIGTERM (a worker drains: takes no new jobs, finishes its own);
+        `poll` forgets it once it has exited."""
+        child = self.child(name)
+        child.retiring, child.restart_at = True, None
+        if child.running:
+            child.proc.send_signal(signal.SIGTERM)
+
+    def has(self, name: str) -> bool:
+        """`name` is supervised: running, waiting to restart, or retiring and not yet exited."""
+        return any(child.name == name for child in self.children)
+
     def poll(self) -> None:
         """Notice exits and restart due children; raises CrashLoop when a child will not stay up."""
         if self._stopping:
             return
         now = self.clock()
-        for child in self.children:
+        for child in list(self.children):
+            if child.retiring:
+                if not child.running:
+                    log.info("%s retired (%s after draining)", child.name, exit_description(child.proc.returncode)
+                             if child.proc is not None else "never started")
+                    self.children.remove(child)
+                continue
             if child.restart_at is not None:
                 if now >= child.restart_at:
                     child.restarts += 1

@@ -9,12 +9,14 @@ the gateway ends its open streams, the workers drain, then exit 0, no orphans.
 Settings resolve as: an explicit flag > the `--preset` (services/presets.py) > today's default, and
 `up` prints each with where it came from; `--dry-run` prints them and every child's command line,
 and starts nothing. `--hosts N` plays N hosts on this machine: a kvstore per host, the workers
-spread over them round-robin.
+spread over them round-robin. `--autoscale` adds and removes local workers within limits from the
+gateway's metrics (services/planner/autoscale.py), through the same supervisor.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import shlex
@@ -29,7 +31,9 @@ from pathlib import Path
 from shared.cli_args import add_connection_args, add_engine_args, add_speculative_args, env, speculative_argv
 from services.gateway.config import MODES, ROUTERS
 from services.presets import PRESETS
+from services.planner.autoscale import add_autoscale_args, autoscale_config, start_autoscaler
 from services.supervisor import CrashLoop, RestartPolicy, Supervisor
+from shared.engine.cores import SLOTS as CORE_SLOTS
 from shared.transport.servers import ServerProcess, die_with_parent, start_nats, start_valkey, wait_for_http_ok
 
 log = logging.getLogger("pdserve.up")
@@ -94,6 +98,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default=None, help="logs and server state (default: a temp dir)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker")
     p.add_argument("--gateway-arg", action="append", default=[], help="extra argument for the gateway")
+    add_autoscale_args(p)
 
 
 # ------------------------------------------------------------------------------- settings
@@ -205,6 +210,7 @@ class Stack:
         self.workdir = workdir
         self.servers: list[ServerProcess] = []
         self.supervisor = Supervisor(policy)
+        self.recipe: WorkerRecipe | None = None  # how its workers are started (set by _start)
 
     def spawn(self, name: str, module: str, args: list[str], extra_env: dict[str, str] | None = None,
               stage: int = STAGE_WORKERS) -> None:
@@ -273,7 +279,8 @@ def _start(stack: Stack, args: argparse.Namespace) -> None:
         server = start_valkey(workdir=stack.workdir / "valkey", password=args.redis_password)
         stack.add_server(server)
         redis_url = server.url
-    for child in plan_children(args, model, connection_argv(args, nats_url, redis_url), stack.workdir):
+    stack.recipe = WorkerRecipe(args, model, connection_argv(args, nats_url, redis_url), stack.workdir)
+    for child in plan_children(args, stack.recipe):
         stack.spawn(child.name, child.module, child.args, stage=child.stage)
 
 
@@ -308,43 +315,86 @@ def store_names(hosts: int, pid: int) -> list[str]:
     return [f"kv-up-{pid}"] if hosts == 1 else [f"kv-up-{pid}-h{i}" for i in range(hosts)]
 
 
-def plan_children(args: argparse.Namespace, model: str, conn: list[str], workdir: Path) -> list[ChildSpec]:
+class WorkerRecipe:
+    """The command line of worker i of a role, for `up`'s own workers and the autoscaler's: on
+    played host i % hosts with that host's kvstore, its share of the cores (the cores divided among
+    the engines `up` starts) and a core-share slot of its own."""
+
+    def __init__(self, args: argparse.Namespace, model: str, conn: list[str], workdir: Path):
+        self.args, self.model, self.conn, self.workdir = args, model, conn, workdir
+        self.colocated = args.mode == "colocated"
+        self.stores = store_names(args.hosts, os.getpid())
+        self.model_args = ["--model", model, "--dtype", args.dtype, "--quantization", args.quantization,
+                           "--kv-dtype", args.kv_dtype, "--device", args.device, *speculative_argv(args),
+                           *engine_argv(args)]
+        n_engines = args.decode + (0 if self.colocated else args.prefill)
+        self.threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, n_engines))
+
+    def slot(self, role: str, i: int) -> int:
+        """Unique per worker name: prefill i → 2i, decode i → 2i + 1 (colocated i → i)."""
+        return i if self.colocated else 2 * i + (role != "prefill")
+
+    def child(self, role: str, i: int) -> ChildSpec:
+        name, args = f"{role}-{i}", self.args
+        argv = (self.conn + self.model_args + ["--kvstore", self.stores[i % len(self.stores)],
+                                               "--threads", str(self.threads)] + args.worker_arg)
+        if args.kv_network:
+            argv.append("--kv-network")
+        if not args.no_core_share and self.slot(role, i) < CORE_SLOTS:  # idle engines lend each other their cores
+            argv += ["--core-share", str(self.workdir / "cores"), "--core-slot", str(self.slot(role, i))]
+        if role == "prefill":
+            return ChildSpec(name, "services.prefill", argv + ["--instance", name], STAGE_WORKERS)
+        return ChildSpec(name, "services.decode", argv + ["--role", role, "--instance", name], STAGE_WORKERS)
+
+
+class StackWorkers:
+    """The autoscaler's hands (services/planner/autoscale.py's Actuator) on `up`'s own stack: a new
+    worker is started by the recipe under the supervisor (restarted if it dies, like the others),
+    with the smallest free index of its role; a removed one is retired (SIGTERM: it drains, exits,
+    and is forgotten)."""
+
+    def __init__(self, stack: Stack):
+        self.stack = stack
+
+    def role(self, kind: str) -> str:
+        return "colocated" if kind == "decode" and self.stack.recipe.colocated else kind
+
+    def running(self) -> dict[str, list[str]]:
+        return {kind: [c.name for c in self.stack.supervisor.children if c.name.startswith(f"{self.role(kind)}-")]
+                for kind in ("prefill", "decode")}
+
+    def spawn(self, kind: str) -> str:
+        role = self.role(kind)
+        i = next(i for i in itertools.count() if not self.stack.supervisor.has(f"{role}-{i}"))
+        child = self.stack.recipe.child(role, i)
+        self.stack.spawn(child.name, child.module, child.args, stage=child.stage)
+        return child.name
+
+    def drain(self, kind: str, name: str) -> None:
+        self.stack.supervisor.retire(name)
+
+    def exited(self, name: str) -> bool:
+        return not self.stack.supervisor.has(name)
+
+
+def plan_children(args: argparse.Namespace, recipe: WorkerRecipe) -> list[ChildSpec]:
     """The services of a resolved `args`, in start order: kvstores, prefill, decode, gateway.
     Worker i of each role sits on host i % hosts and uses that host's kvstore:
 
         hosts=2   kv-…-h0: prefill-0 decode-0 prefill-2 …   kv-…-h1: prefill-1 decode-1 …
     """
-    colocated = args.mode == "colocated"
-    stores = store_names(args.hosts, os.getpid())
-    model_args = ["--model", model, "--dtype", args.dtype, "--quantization", args.quantization,
-                  "--kv-dtype", args.kv_dtype, "--device", args.device, *speculative_argv(args), *engine_argv(args)]
-    n_engines = args.decode + (0 if colocated else args.prefill)
-    threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, n_engines))
-    slots = iter(range(n_engines))
-
-    def worker(i: int, *own: str) -> list[str]:
-        argv = conn + model_args + ["--kvstore", stores[i % len(stores)], "--threads", str(threads)] + args.worker_arg
-        if args.kv_network:
-            argv.append("--kv-network")
-        if not args.no_core_share:  # each engine lends its cores to the others while it is idle
-            own += ("--core-share", str(workdir / "cores"), "--core-slot", str(next(slots)))
-        return argv + list(own)
-
+    conn, model = recipe.conn, recipe.model
     children = []
-    if not colocated:
-        for h, store in enumerate(stores):
-            children.append(ChildSpec("kvstore" if len(stores) == 1 else f"kvstore-h{h}", "services.kvstore",
+    if not recipe.colocated:
+        for h, store in enumerate(recipe.stores):
+            children.append(ChildSpec("kvstore" if len(recipe.stores) == 1 else f"kvstore-h{h}", "services.kvstore",
                                       [*conn, "--model", model, "--dtype", args.kv_dtype, "--store", store,
                                        "--num-slots", str(args.kv_slots)], STAGE_KVSTORE))
-        for i in range(args.prefill):
-            children.append(ChildSpec(f"prefill-{i}", "services.prefill", worker(i, "--instance", f"prefill-{i}"),
-                                      STAGE_WORKERS))
-    role = "colocated" if colocated else "decode"
-    for i in range(args.decode):
-        children.append(ChildSpec(f"{role}-{i}", "services.decode",
-                                  worker(i, "--role", role, "--instance", f"{role}-{i}"), STAGE_WORKERS))
-    expect = ({"colocated": args.decode} if colocated else
-              {"prefill": args.prefill, "decode": args.decode, "kvstore": len(stores)})
+        children += [recipe.child("prefill", i) for i in range(args.prefill)]
+    role = "colocated" if recipe.colocated else "decode"
+    children += [recipe.child(role, i) for i in range(args.decode)]
+    expect = ({"colocated": args.decode} if recipe.colocated else
+              {"prefill": args.prefill, "decode": args.decode, "kvstore": len(recipe.stores)})
     gateway = conn + ["--model", model, "--host", args.host, "--port", str(args.port), "--mode", args.mode,
                       "--expect", ",".join(f"{role}={n}" for role, n in expect.items())]
     if args.api_key:
@@ -371,7 +421,7 @@ def format_plan(args: argparse.Namespace) -> str:
         lines.append(f"  {'valkey':<12} valkey-server on a free port (VALKEY_PORT), state in {workdir / 'valkey'}")
     conn = connection_argv(args, args.nats or "nats://127.0.0.1:NATS_PORT",
                            args.redis or "redis://127.0.0.1:VALKEY_PORT")
-    for child in plan_children(args, str(model), conn, workdir):
+    for child in plan_children(args, WorkerRecipe(args, str(model), conn, workdir)):
         lines.append(f"  {child.name:<12} {shlex.join(child.argv())}")
     return "\n".join(lines)
 
@@ -407,6 +457,12 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     args = resolve_settings(args)
     print(format_settings(args), flush=True)
+    if args.autoscale:
+        try:
+            print(autoscale_config(args).describe(), flush=True)
+        except ValueError as exc:
+            print(f"pdserve up: error: {exc}", file=sys.stderr, flush=True)
+            return 2
     if args.dry_run:
         print(format_plan(args), flush=True)
         return 0
@@ -421,8 +477,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         -d '{{"model": "SmolLM2-135M-Instruct", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "stream": true}}'""",
               flush=True)
         orderly = True
+        workers = StackWorkers(stack)
+        scaler = start_autoscaler(args, url, workers, workers.running()) if args.autoscale else None
         while not stopping.wait(POLL_S):
             stack.check_alive()
+            if scaler is not None:
+                scaler.tick()
         print("stopping pdserve ...", flush=True)
         return 0
     except KeyboardInterrupt:

@@ -108,7 +108,7 @@ class Router:
 
     def _choose(self, role: str, base: str, n: int, matches: dict[str, int]) -> Route | None:
         """The best live worker of `role` for an n-token prompt (None: none is known)."""
-        cands = [self._candidate(s, matches) for s in self.live_workers(role)]
+        cands = [self._candidate(s, matches) for s in self.live_workers(role) if not s.draining]
         if not cands:
             return None
         turn = next(self._turn)

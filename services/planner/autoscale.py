@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import logging
 import re
-import signal
-import subprocess
-import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -52,6 +49,7 @@ class AutoscaleConfig:
     slo_itl_p90_s: float = 0.25
     low_water: float = 0.4  # cold: the metric below this fraction of its SLO
     queue_per_worker: float = 2.0  # hot: more than this many requests waiting per worker of the pool
+    colocated: bool = False  # one pool of engine workers (counted as decode; judged by TTFT and ITL)
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_prefill <= self.max_prefill or not 0 <= self.min_decode <= self.max_decode:
@@ -63,6 +61,12 @@ class AutoscaleConfig:
             raise ValueError("autoscale: need interval > 0, up_after >= 1, down_after > up_after, cooldown >= 0")
         if not 0 < self.low_water < 1 or self.slo_ttft_p90_s <= 0 or self.slo_itl_p90_s <= 0:
             raise ValueError("autoscale: need 0 < low_water < 1 and positive SLOs")
+
+    def describe(self) -> str:
+        pools = (f"{'engine workers' if self.colocated else 'decode'} {self.min_decode}–{self.max_decode}" if self.colocated
+                 else f"prefill {self.min_prefill}–{self.max_prefill}, decode {self.min_decode}–{self.max_decode}")
+        return (f"autoscaling: {pools}, {self.budget} processes at most, a decision every {self.interval_s:g} s "
+                f"(SLOs: TTFT p90 {self.slo_ttft_p90_s * 1e3:g} ms, ITL p90 {self.slo_itl_p90_s * 1e3:g} ms)")
 
     def bounds(self, kind: str) -> tuple[int, int]:
         return (self.min_prefill, self.max_prefill) if kind == "prefill" else (self.min_decode, self.max_decode)
@@ -124,10 +128,16 @@ class Autoscaler:
         for pool in self.pools.values():  # drained workers that have exited leave the budget
             pool.draining = [n for n in pool.draining if not self.actuator.exited(n)]
             pool.since_change += 1
-        pressure = {"prefill": self._pressure("prefill", obs.ttft_p90_s, self.config.slo_ttft_p90_s,
-                                              obs.prefill_waiting, obs.requests),
-                    "decode": self._pressure("decode", obs.itl_p90_s, self.config.slo_itl_p90_s,
-                                             obs.decode_waiting, obs.requests)}
+        cfg = self.config
+        ttft = (obs.ttft_p90_s or 0.0) / cfg.slo_ttft_p90_s
+        itl = (obs.itl_p90_s or 0.0) / cfg.slo_itl_p90_s
+        if cfg.colocated:  # the engine workers do both: the worse of the two, every request waiting
+            pressure = {"prefill": self._pressure("prefill", 0.0, 0.0, obs.requests),
+                        "decode": self._pressure("decode", max(ttft, itl), obs.prefill_waiting + obs.decode_waiting,
+                                                 obs.requests)}
+        else:
+            pressure = {"prefill": self._pressure("prefill", ttft, obs.prefill_waiting, obs.requests),
+                        "decode": self._pressure("decode", itl, obs.decode_waiting, obs.requests)}
         made = []
         # the pool further over its SLO gets a free budget slot first
         for kind in sorted(KINDS, key=lambda k: -pressure[k]):
@@ -145,12 +155,12 @@ class Autoscaler:
         self.decisions += made
         return made
 
-    def _pressure(self, kind: str, p90: float | None, slo: float, waiting: float, requests: int) -> float:
-        """Updates the pool's hot/cold streaks; returns how far over its SLO it is (for priority)."""
+    def _pressure(self, kind: str, over: float, waiting: float, requests: int) -> float:
+        """Updates the pool's hot/cold streaks from `over` (its p90 / its SLO); returns how far over
+        it is, queue included (for priority)."""
         pool, cfg = self.pools[kind], self.config
         n = max(1, len(pool.active))
         queued = waiting > cfg.queue_per_worker * n
-        over = (p90 or 0.0) / slo
         hot = over > 1.0 or queued
         cold = (requests == 0 and waiting == 0) or (over < cfg.low_water and waiting == 0)
         pool.hot = pool.hot + 1 if hot else 0
@@ -240,62 +250,28 @@ class MetricsWatcher:
                            prefill_waiting=waiting["gateway"], decode_waiting=waiting["decode"])
 
 
-class ProcessActuator:
-    """Local worker processes: `start(kind, name)` launches one (pdserve up's spawner) and returns it."""
-
-    def __init__(self, start: Callable[[str, str], subprocess.Popen], first_index: dict[str, int] | None = None):
-        self.start = start
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.next_index = dict(first_index or {})
-
-    def spawn(self, kind: str) -> str:
-        i = self.next_index.get(kind, 0)
-        self.next_index[kind] = i + 1
-        name = f"{kind}-{i}"
-        self.procs[name] = self.start(kind, name)
-        return name
-
-    def drain(self, kind: str, name: str) -> None:
-        proc = self.procs.get(name)
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # the worker drains: no new jobs, finish, exit
-
-    def exited(self, name: str) -> bool:
-        proc = self.procs.get(name)
-        return proc is None or proc.poll() is not None
-
-
 class LiveAutoscaler:
-    """The loop in a thread: observe, decide, act, every `interval_s`, until `stop()`."""
+    """The loop, driven by `tick()` from `pdserve up`'s supervision loop (the same thread that
+    restarts and retires children, so the two never race): every `interval_s`, observe, decide, act."""
 
     def __init__(self, config: AutoscaleConfig, base_url: str, actuator: Actuator, initial: dict[str, list[str]],
-                 watcher: MetricsWatcher | None = None):
-        self.config = config
+                 watcher: MetricsWatcher | None = None, clock: Callable[[], float] = time.monotonic):
+        self.config, self.clock = config, clock
         self.autoscaler = Autoscaler(config, actuator, initial)
         self.watcher = watcher or MetricsWatcher(base_url)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="autoscale", daemon=True)
+        self._next: float | None = None  # None: the baseline scrape is still to take
 
-    def start(self) -> LiveAutoscaler:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
+    def tick(self) -> list[Decision]:
+        now = self.clock()
+        if self._next is not None and now < self._next:
+            return []
+        baseline, self._next = self._next is None, now + self.config.interval_s
         try:
-            self.watcher.observe()  # the baseline for the first interval's deltas
-        except OSError as exc:
-            log.warning("autoscale: first scrape failed (%s)", exc)
-        while not self._stop.wait(self.config.interval_s):
-            try:
-                obs = self.watcher.observe()
-            except OSError as exc:  # the gateway restarting: skip this interval, decide nothing blind
-                log.warning("autoscale: scrape failed (%s); skipping an interval", exc)
-                continue
-            self.autoscaler.step(obs)
+            obs = self.watcher.observe()
+        except OSError as exc:  # the gateway restarting: skip this interval, decide nothing blind
+            log.warning("autoscale: scrape failed (%s); skipping an interval", exc)
+            return []
+        return [] if baseline else self.autoscaler.step(obs)
 
 
 # ------------------------------------------------------------------------------ `pdserve up` glue
@@ -321,23 +297,19 @@ def add_autoscale_args(p) -> None:
 
 
 def autoscale_config(args) -> AutoscaleConfig:
-    return AutoscaleConfig(min_prefill=args.min_prefill, max_prefill=max(args.max_prefill, args.prefill),
-                           min_decode=args.min_decode, max_decode=max(args.max_decode, args.decode),
-                           budget=args.budget or max(args.max_prefill, args.prefill) + max(args.max_decode, args.decode),
+    """From `up`'s resolved arguments. Colocated mode has one pool (the engine workers, counted as
+    decode, judged by TTFT and ITL both); a pool's maximum is at least what `up` starts."""
+    colocated = args.mode == "colocated"
+    max_prefill = 0 if colocated else max(args.max_prefill, args.prefill)
+    max_decode = max(args.max_decode, args.decode)
+    return AutoscaleConfig(min_prefill=0 if colocated else args.min_prefill, max_prefill=max_prefill,
+                           min_decode=args.min_decode, max_decode=max_decode,
+                           budget=args.budget or max_prefill + max_decode, colocated=colocated,
                            interval_s=args.autoscale_interval, slo_ttft_p90_s=args.slo_ttft_p90_ms / 1e3,
                            slo_itl_p90_s=args.slo_itl_p90_ms / 1e3)
 
 
-def start_autoscaler(args, url: str, start_worker: Callable[[str, str], subprocess.Popen],
-                     running: dict[str, dict[str, subprocess.Popen]]) -> LiveAutoscaler:
-    """What `pdserve up --autoscale` calls once the stack is healthy. `start_worker(kind, name)` starts
-    one worker process the way `up` starts its own; `running[kind]` maps the workers already up by
-    name. Stop the returned loop before stopping the stack."""
-    actuator = ProcessActuator(start_worker, {kind: len(procs) for kind, procs in running.items()})
-    for procs in running.values():
-        actuator.procs.update(procs)
-    initial = {kind: list(procs) for kind, procs in running.items()}
-    config = autoscale_config(args)
-    log.info("autoscaling: prefill %d–%d, decode %d–%d, budget %d, every %.0f s", config.min_prefill,
-             config.max_prefill, config.min_decode, config.max_decode, config.budget, config.interval_s)
-    return LiveAutoscaler(config, url, actuator, initial).start()
+def start_autoscaler(args, url: str, actuator: Actuator, initial: dict[str, list[str]]) -> LiveAutoscaler:
+    """What `pdserve up --autoscale` makes once the stack is healthy: `initial[kind]` names the
+    workers already up; `tick()` it from the supervision loop."""
+    return LiveAutoscaler(autoscale_config(args), url, actuator, initial)

@@ -188,6 +188,7 @@ class WorkerStats(Msg, kw_only=True):
     busy_core_s: float = 0.0  # … times each step's compute units (CPU threads)
     kvstore: str = ""  # a worker: the store of its host (the router counts that store's prefixes as its own)
     queued_tokens: int = 0  # prompt tokens taken but not yet computed (the router's prefill load)
+    draining: bool = False  # stopping: takes no new jobs (the router sends it none)
     ts: float = 0.0
 
 

@@ -66,6 +66,7 @@ class WorkerRuntime:
         self.prefix_hits = 0
         self.cache_events: CachePublisher | None = None
         self._queued = 0
+        self.draining = False  # SIGTERM: no new jobs; the stats say so (the routers send none)
 
     async def start(self) -> None:
         c = self.config
@@ -176,7 +177,7 @@ class WorkerRuntime:
                            free_slots=max(0, self.engine.config.max_num_seqs - self.async_engine.num_requests),
                            busy_s=self.engine.stats.busy_s, busy_core_s=self.engine.stats.busy_core_s,
                            kvstore="" if self.config.role == "colocated" else self.config.kvstore,
-                           queued_tokens=self.queued_tokens(), **spec)
+                           queued_tokens=self.queued_tokens(), draining=self.draining, **spec)
 
     def queued_tokens(self) -> int:
         """Prompt tokens this worker holds but has not computed yet (read between or during steps:
@@ -301,7 +302,12 @@ async def run_worker(worker: WorkerRuntime, grace_s: float = 10.0) -> None:
     if job_loop in done:
         job_loop.result()  # a fatal error: raise it
     job_loop.cancel()
+    worker.draining = True
     log.info("draining: %d requests in flight", len(worker.attempts))
+    try:  # at once: a job routed here from now on would wait for the gateway to give up on it
+        await asyncio.wait_for(worker.report_load(), 2.0)
+    except Exception as exc:
+        log.warning("could not announce draining: %r", exc)
     deadline = loop.time() + grace_s
     # a request is done when its last event is published (decode) or its job acked (prefill);
     # what is still held at the deadline is handed back: the gateway migrates it, JetStream redelivers

@@ -161,3 +161,75 @@ def test_metrics_watcher_reads_interval_percentiles_from_the_gateway_text():
     assert second.requests == 20 and second.ttft_p90_s == 2.5 and second.itl_p90_s is None
     assert histogram_p90({1.0: 0, float("inf"): 0}, {}) is None
     assert parse_prometheus('a_b{x="1"} 2.5\nbad line') == [("a_b", {"x": "1"}, 2.5)]
+
+
+def test_colocated_has_one_pool_judged_by_ttft_and_itl():
+    config = AutoscaleConfig(min_prefill=0, max_prefill=0, min_decode=1, max_decode=3, budget=3, interval_s=1.0,
+                             colocated=True)
+
+    class Hands:
+        def __init__(self):
+            self.spawned = []
+
+        def spawn(self, kind):
+            self.spawned.append(kind)
+            return f"colocated-{len(self.spawned)}"
+
+        def drain(self, kind, name):
+            raise AssertionError("no drain expected")
+
+        def exited(self, name):
+            return False
+
+    hands = Hands()
+    scaler = Autoscaler(config, hands, {"decode": ["colocated-0"]})
+    slow_first_token = Observation(requests=10, ttft_p90_s=5.0, itl_p90_s=0.05, prefill_waiting=0, decode_waiting=0)
+    for _ in range(config.up_after):
+        scaler.step(slow_first_token)
+    assert hands.spawned == ["decode"] and scaler.count("prefill") == 0  # TTFT alone makes the one pool hot
+
+
+def test_live_loop_takes_a_baseline_then_decides_once_per_interval_and_skips_failed_scrapes():
+    clock = [0.0]
+    hot = Observation(requests=5, ttft_p90_s=9.0, itl_p90_s=None, prefill_waiting=0, decode_waiting=0)
+
+    class Watcher:
+        def __init__(self):
+            self.scrapes, self.fail = 0, False
+
+        def observe(self):
+            self.scrapes += 1
+            if self.fail:
+                raise OSError("connection refused")
+            return hot
+
+    class Hands:
+        def __init__(self):
+            self.spawned = []
+
+        def spawn(self, kind):
+            self.spawned.append(kind)
+            return f"{kind}-{len(self.spawned)}"
+
+        def drain(self, kind, name):
+            pass
+
+        def exited(self, name):
+            return True
+
+    from services.planner.autoscale import LiveAutoscaler
+
+    watcher, hands = Watcher(), Hands()
+    config = AutoscaleConfig(interval_s=5.0, up_after=2, cooldown=0)
+    live = LiveAutoscaler(config, "http://gw", hands, {"prefill": ["prefill-0"], "decode": ["decode-0"]},
+                          watcher=watcher, clock=lambda: clock[0])
+    assert live.tick() == [] and watcher.scrapes == 1  # the baseline: deltas start from here
+    clock[0] = 4.9
+    assert live.tick() == [] and watcher.scrapes == 1  # not yet an interval
+    clock[0] = 5.0
+    assert live.tick() == [] and watcher.scrapes == 2  # hot once
+    watcher.fail, clock[0] = True, 10.0
+    assert live.tick() == [] and live.autoscaler.interval == 1  # a failed scrape decides nothing
+    watcher.fail, clock[0] = False, 15.0
+    [decision] = live.tick()  # hot twice in a row: one prefill worker more
+    assert (decision.kind, decision.action) == ("prefill", "add") and hands.spawned == ["prefill"]

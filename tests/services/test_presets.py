@@ -170,8 +170,8 @@ def test_hosts_spread_workers_over_one_kvstore_each(capsys):
                        "decode-0": stores["kvstore-h0"], "decode-1": stores["kvstore-h1"],
                        "decode-2": stores["kvstore-h0"]}
     assert value(out.children["gateway"], "--expect") == "prefill=2,decode=3,kvstore=2"
-    slots = sorted(int(value(argv, "--core-slot")) for argv in out.workers().values())
-    assert slots == list(range(5))  # one machine: the engines still share its cores
+    slots = [int(value(argv, "--core-slot")) for argv in out.workers().values()]
+    assert len(set(slots)) == 5  # one machine: the engines still share its cores, each its own slot
 
 
 def test_colocated_has_no_kvstore_on_any_number_of_hosts(capsys):

@@ -224,6 +224,19 @@ def test_a_prefill_worker_counts_its_host_store_as_its_cache():
     assert (r.target, r.cached_tokens) == ("p1", 12 * BS)
 
 
+def test_a_draining_worker_gets_no_jobs_even_for_its_cache():
+    fleet = Fleet("colocated", ["w0", "w1"])
+    index = PrefixIndex()
+    p = prompt(6, 20 * BS)
+    index.apply(ev("worker.w1", 1, keys(p)))
+    router = make_router(fleet, index, mode="colocated")
+    assert router.route(p).target == "w1"
+    fleet.stats["w1"].draining = True  # the autoscaler is removing it (or `up` is stopping)
+    assert {router.route(p).target for _ in range(4)} == {"w0"}
+    fleet.stats["w0"].draining = True
+    assert router.route(p).subject == subjects.PREFILL_JOBS  # none left to choose: the shared queue
+
+
 def test_no_live_worker_known_falls_back_to_the_shared_queue():
     router = make_router(Fleet("prefill", []), PrefixIndex())
     r = router.route(prompt(5, 100))

@@ -47,6 +47,30 @@ def test_a_dead_child_is_restarted_and_the_others_keep_running(tmp_path):
     assert not victim.running and not steady.running
 
 
+def test_a_retired_child_drains_exits_and_is_forgotten_not_restarted(tmp_path):
+    """What the autoscaler's drain does: SIGTERM one child for good; it finishes its work (here: a
+    second of it after the signal) and exits; the supervisor then forgets it."""
+    drains = ("import signal, sys, time\n"
+              "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.0), print('drained', flush=True), sys.exit(0)))\n"
+              "time.sleep(60)")
+    sup = Supervisor(FAST)
+    keep = sup.start("keep", python("import time; time.sleep(60)", tmp_path / "keep.log"), tmp_path / "keep.log")
+    leaving = sup.start("leaving", python(drains, tmp_path / "leaving.log"), tmp_path / "leaving.log")
+    try:
+        time.sleep(0.5)  # its handler is installed
+        sup.retire("leaving")
+        sup.poll()
+        assert sup.has("leaving")  # still draining: it counts until it has exited
+        poll_until(sup, lambda: not sup.has("leaving"))
+        assert leaving.proc.returncode == 0 and "drained" in (tmp_path / "leaving.log").read_text()
+        assert leaving.restarts == 0 and keep.running
+        time.sleep(0.3)
+        sup.poll()
+        assert [c.name for c in sup.children] == ["keep"]
+    finally:
+        sup.stop(timeout=5)
+
+
 def test_backoff_doubles_to_its_cap_and_resets_after_a_stable_run(tmp_path):
     clock = [0.0]
     policy = RestartPolicy(initial_backoff_s=0.5, max_backoff_s=2.0, stable_s=10.0, max_quick_failures=100)

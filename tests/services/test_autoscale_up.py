@@ -1,0 +1,66 @@
+"""`pdserve up --autoscale` for real (small): under load a decode worker is added (it starts, is
+heard, serves); when traffic stops it is drained and retired, never beyond the budget; every
+request completes. The policy itself is tested fast against a simulated system
+(tests/planner/test_autoscale.py); this shows the wiring: the gateway's metrics in, supervised
+processes out."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.services.test_routing_e2e import ask, serving, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def workers(url: str) -> set[str]:
+    return set(httpx.get(f"{url}/router", timeout=10).json()["workers"])
+
+
+def busy_s(url: str, instance: str) -> float:
+    """The engine step time the worker has reported (pdserve_engine_busy_seconds_total)."""
+    m = re.search(rf'^pdserve_engine_busy_seconds_total{{[^}}]*instance="{instance}"[^}}]*}} (\S+)$',
+                  httpx.get(f"{url}/metrics", timeout=10).text, re.M)
+    return float(m[1]) if m else 0.0
+
+
+def test_under_load_a_decode_worker_is_added_then_drained_when_traffic_stops(tmp_path):
+    # an ITL SLO of 1 ms: any decoding is over it (hot); no traffic at all is cold
+    with serving(tmp_path, 2, "--autoscale", "--max-decode", "2", "--max-prefill", "1", "--autoscale-interval", "1",
+                 "--slo-itl-p90-ms", "1", "--speculative", "off") as up:
+        assert workers(up.url) == {"prefill-0", "decode-0"}
+        stop, answers, errors = threading.Event(), [], []
+
+        def user(u: int) -> None:
+            while not stop.is_set():
+                try:
+                    answers.append(ask(up.url, f"User {u} asks: tell me about the number {len(answers)}.", 24))
+                except Exception as exc:  # noqa: BLE001 — reported below
+                    errors.append(repr(exc))
+
+        users = [threading.Thread(target=user, args=(u,)) for u in range(3)]
+        for t in users:
+            t.start()
+        try:
+            wait_for(lambda: "decode-1" in workers(up.url), "the added decode worker to be heard", 120)
+            wait_for(lambda: busy_s(up.url, "decode-1") > 0, "the added decode worker to serve", 60)
+        finally:
+            stop.set()
+            for t in users:
+                t.join(60)
+        assert not errors, errors[:3]
+        assert answers and all(a["choices"][0]["message"]["content"] for a in answers)
+        # traffic stopped: cold for down_after intervals → the newest decode worker drains and exits
+        wait_for(lambda: "decode-1 retired" in up.log(), "decode-1 to be drained and retired", 60)
+        wait_for(lambda: workers(up.url) == {"prefill-0", "decode-0"}, "decode-1 to leave the router", 30)
+        log = up.log()
+        decisions = re.findall(r"autoscale: ([+-]) (\w+) (\S+)", log)
+        assert decisions == [("+", "decode", "decode-1"), ("-", "decode", "decode-1")], decisions
+        assert "draining" in (tmp_path / "decode-1.log").read_text()
+        # still serving with the minimum
+        assert ask(up.url, "What is the capital of France?")["choices"][0]["message"]["content"]
