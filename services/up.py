@@ -34,7 +34,9 @@ from services.presets import PRESETS
 from services.planner.autoscale import add_autoscale_args, autoscale_config, start_autoscaler
 from services.supervisor import CrashLoop, RestartPolicy, Supervisor
 from shared.engine.cores import SLOTS as CORE_SLOTS
-from shared.transport.servers import ServerProcess, die_with_parent, start_nats, start_valkey, wait_for_http_ok
+from shared.transport.servers import (
+    ServerProcess, cluster_url, die_with_parent, start_nats, start_nats_cluster, start_valkey, wait_for_http_ok,
+)
 
 log = logging.getLogger("pdserve.up")
 
@@ -47,6 +49,9 @@ STAGE_SERVERS, STAGE_KVSTORE, STAGE_WORKERS, STAGE_GATEWAY = 0, 1, 2, 3
 def add_up_args(p: argparse.ArgumentParser) -> None:
     add_connection_args(p)
     p.set_defaults(nats=None, redis=None)  # none given: start our own
+    p.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                   help="start N nats-server nodes as one JetStream cluster (work queues replicated 3 ways from "
+                        "N = 3: a job survives losing a node) instead of one server")
     p.add_argument("--host", default=env("PDSERVE_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(env("PDSERVE_PORT", "8000")))
     # None below: "not given", resolved after parsing (`resolve_settings`): flag > --preset > default
@@ -270,7 +275,15 @@ def _start(stack: Stack, args: argparse.Namespace) -> None:
     model = str(resolve_model_path(args.model))  # pull the default model once, before the children start
     _build_cpu_extension(args)
     nats_url, redis_url = args.nats, args.redis
-    if nats_url is None:
+    if nats_url is None and args.nats_cluster > 1:
+        nodes = start_nats_cluster(args.nats_cluster, stack.workdir / "nats", user=args.nats_user,
+                                   password=args.nats_password, token=args.nats_token)
+        for node in nodes:
+            stack.add_server(node)
+        nats_url = cluster_url(nodes)
+        # every service creates the work queues this replicated (unless the environment says otherwise)
+        os.environ.setdefault("PDSERVE_STREAM_REPLICAS", str(min(3, args.nats_cluster)))
+    elif nats_url is None:
         server = start_nats(workdir=stack.workdir / "nats", user=args.nats_user, password=args.nats_password,
                             token=args.nats_token)
         stack.add_server(server)
@@ -415,11 +428,18 @@ def format_plan(args: argparse.Namespace) -> str:
     default = args.model in (None, DEFAULT_MODEL_ID, "default")
     model = default_model_path() if default else resolve_model_path(args.model)
     lines = ["pdserve up would start:"]
-    if args.nats is None:
+    if args.nats is None and args.nats_cluster > 1:
+        for i in range(args.nats_cluster):
+            lines.append(f"  {f'nats-{i}':<12} nats-server -js --cluster_name pdserve on free client and route ports "
+                         f"(NATS_PORT_{i}), state in {workdir / 'nats' / f'nats-{i}'}")
+        lines.append(f"  {'':<12} work queues replicated {min(3, args.nats_cluster)} ways; services get every node's URL")
+    elif args.nats is None:
         lines.append(f"  {'nats':<12} nats-server -js on a free port (NATS_PORT), state in {workdir / 'nats'}")
     if args.redis is None:
         lines.append(f"  {'valkey':<12} valkey-server on a free port (VALKEY_PORT), state in {workdir / 'valkey'}")
-    conn = connection_argv(args, args.nats or "nats://127.0.0.1:NATS_PORT",
+    nats = args.nats or (",".join(f"nats://127.0.0.1:NATS_PORT_{i}" for i in range(args.nats_cluster))
+                         if args.nats_cluster > 1 else "nats://127.0.0.1:NATS_PORT")
+    conn = connection_argv(args, nats,
                            args.redis or "redis://127.0.0.1:VALKEY_PORT")
     for child in plan_children(args, WorkerRecipe(args, str(model), conn, workdir)):
         lines.append(f"  {child.name:<12} {shlex.join(child.argv())}")

@@ -81,7 +81,7 @@ class GatewayState:
                                     password=config.nats_password, token=config.nats_token)
         try:
             js = nc.jetstream()
-            await nats_bus.ensure_streams(js)
+            await nats_bus.ensure_streams(js, replicas=nats_bus.stream_replicas(nc))
             redis = valkey.connect(config.redis_url, config.redis_password)
             try:
                 await redis.ping()

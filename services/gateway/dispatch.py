@@ -33,6 +33,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.errors import service_unavailable
 from services.gateway.router import Router
 from shared.protocol import subjects
+from shared.transport import nats_bus
 from shared.protocol.messages import Cancel, ErrorCode, PrefillJob, SamplingMsg, TokenEvent, decode, encode
 
 log = logging.getLogger(__name__)
@@ -326,7 +327,8 @@ class Dispatcher:
         queued: list = []  # where the current attempt's job message is: [(stream, seq)]
 
         async def publish(subject: str, message: PrefillJob) -> None:
-            ack = await self._js.publish(subject, encode(message), timeout=cfg.publish_timeout_s, headers=headers)
+            ack = await nats_bus.publish_job(self._js, subject, encode(message), f"{message.request_id}.{message.attempt}",
+                                             timeout=cfg.publish_timeout_s, headers=headers)
             queued[:] = [(ack.stream, ack.seq)]
 
         async def resubmit(resume_ids: list[int], attempt: int) -> None:

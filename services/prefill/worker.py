@@ -169,7 +169,9 @@ class PrefillWorker(WorkerRuntime):
             created_at=time.time(), deadline=job.deadline, attempt=job.attempt, timing=timing,
         )
         span.set_attributes({"pdserve.cached_tokens": len(hits) * bs, "pdserve.kv_bytes": timing.kv_bytes_written})
-        await self.js.publish(subjects.DECODE_JOBS, encode(decode_job), headers=tracing.headers_for(span))
+        # a redelivered prefill job (this worker died before its ack) publishes the same id: stored once
+        await nats_bus.publish_job(self.js, subjects.DECODE_JOBS, encode(decode_job), f"{rid}.{job.attempt}.decode",
+                                   headers=tracing.headers_for(span))
 
     async def _store_blocks(self, rid: str, blocks: torch.Tensor, hits: list[KVBlockRef], keys: list[bytes],
                             lease: str, segment: str, timing: Timing) -> tuple[list[KVBlockRef], str, str]:

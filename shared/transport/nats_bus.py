@@ -7,13 +7,16 @@ unacked job is redelivered after `ack_wait` (a crashed worker's job comes back),
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 
 import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, AckPolicy, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError
+from nats.errors import NoRespondersError
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, PubAck, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError, NoStreamResponseError, ServiceUnavailableError
 
 from shared.protocol import subjects
 
@@ -22,7 +25,12 @@ log = logging.getLogger(__name__)
 
 async def connect(url: str, name: str, *, user: str | None = None, password: str | None = None,
                   token: str | None = None, connect_timeout: float = 5.0) -> NATS:
-    """Connect and keep reconnecting forever (services outlive a NATS restart)."""
+    """Connect and keep reconnecting forever (services outlive a NATS restart). `url` may list
+    several servers, comma-separated (the nodes of a cluster): the client connects to one and fails
+    over to the others (and to any the cluster announces)."""
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    if not servers:
+        raise ValueError(f"no NATS server URL in {url!r}")
 
     async def on_error(exc: Exception) -> None:
         log.warning("%s: NATS error: %s", name, exc)
@@ -34,24 +42,72 @@ async def connect(url: str, name: str, *, user: str | None = None, password: str
         log.info("%s: NATS reconnected", name)
 
     return await nats.connect(
-        url, name=name, user=user, password=password, token=token,
+        servers, name=name, user=user, password=password, token=token,
         connect_timeout=connect_timeout, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
         allow_reconnect=True, error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
         pending_size=64 * 1024 * 1024,
     )
 
 
-async def ensure_streams(js: JetStreamContext, storage: StorageType = StorageType.FILE) -> None:
-    """Create (or keep) the two work-queue streams."""
+# JetStream did not answer (yet): no ack in time, no stream leader (an election), no responders
+UNANSWERED = (TimeoutError, ServiceUnavailableError, NoRespondersError, NoStreamResponseError)
+DEDUP_WINDOW_S = 120.0  # a job published again with the same Nats-Msg-Id within this is stored once
+JETSTREAM_WAIT_S = 60.0  # a cluster just started elects its JetStream leader in seconds
+
+
+def stream_replicas(nc: NATS) -> int:
+    """How many copies of each work queue: $PDSERVE_STREAM_REPLICAS, else 3 on a cluster of 3 or more
+    nodes (each job survives losing a node), as many as there are nodes on a smaller one, 1 alone."""
+    explicit = os.environ.get("PDSERVE_STREAM_REPLICAS")
+    if explicit:
+        return int(explicit)
+    info = getattr(nc, "_server_info", None) or {}
+    if not info.get("cluster"):
+        return 1
+    return max(1, min(3, len(info.get("connect_urls") or [])))
+
+
+async def ensure_streams(js: JetStreamContext, storage: StorageType = StorageType.FILE, replicas: int = 1) -> None:
+    """Create (or bring to this configuration) the two work-queue streams, with `replicas` copies
+    and a duplicate window (publishers set Nats-Msg-Id: a publish retried after a lost ack or a leader
+    change is stored once). Waits for JetStream to answer (a cluster electing its leader)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + JETSTREAM_WAIT_S
     for name, subs in ((subjects.PREFILL_STREAM, [subjects.PREFILL_JOBS, f"{subjects.PREFILL_JOBS}.*"]),
                        (subjects.DECODE_STREAM, [subjects.DECODE_JOBS, subjects.DECODE_DIRECT,
                                                  f"{subjects.DECODE_DIRECT}.*"])):
         config = StreamConfig(name=name, subjects=subs, retention=RetentionPolicy.WORK_QUEUE, storage=storage,
-                              max_age=600.0)
+                              max_age=600.0, num_replicas=replicas, duplicate_window=DEDUP_WINDOW_S)
+        while True:
+            try:
+                try:
+                    await js.add_stream(config)
+                except BadRequestError:
+                    await js.update_stream(config)
+                break
+            except UNANSWERED as exc:
+                if loop.time() > deadline:
+                    raise
+                log.info("JetStream not ready (%s); retrying", type(exc).__name__)
+                await asyncio.sleep(0.5)
+
+
+async def publish_job(js: JetStreamContext, subject: str, payload: bytes, msg_id: str, *, timeout: float = 2.0,
+                      headers: dict[str, str] | None = None, retry_s: float = 20.0) -> PubAck:
+    """Publish a job exactly once: with `msg_id` as its Nats-Msg-Id, retried (same id) while the
+    stream does not answer — a lost ack, a leader being elected — for up to `retry_s`; the stream's
+    duplicate window stores a retried copy once. Raises the last error after that."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + retry_s
+    headers = {**(headers or {}), "Nats-Msg-Id": msg_id}
+    while True:
         try:
-            await js.add_stream(config)
-        except BadRequestError:
-            await js.update_stream(config)
+            return await js.publish(subject, payload, timeout=timeout, headers=headers)
+        except UNANSWERED as exc:
+            if loop.time() + timeout > deadline:
+                raise
+            log.warning("publish of %s to %s failed (%s); retrying", msg_id, subject, type(exc).__name__)
+            await asyncio.sleep(0.2)
 
 
 async def pull_subscription(js: JetStreamContext, stream: str, durable: str, filter_subject: str, *,

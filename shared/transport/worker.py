@@ -73,7 +73,7 @@ class WorkerRuntime:
         self.nc = await nats_bus.connect(c.nats_url, f"{c.role}-{c.instance}", user=c.nats_user,
                                          password=c.nats_password, token=c.nats_token)
         self.js = self.nc.jetstream()
-        await nats_bus.ensure_streams(self.js)
+        await nats_bus.ensure_streams(self.js, replicas=nats_bus.stream_replicas(self.nc))
         self.redis = valkey.connect(c.redis_url, c.redis_password)
         await self.nc.subscribe(subjects.CANCEL_ALL, cb=self._on_cancel)
         await self.nc.subscribe(subjects.RESET_PREFIX_CACHE, cb=self._on_reset)

@@ -284,9 +284,10 @@ def test_disruption_budgets_and_autoscalers(k8s):
 
 def test_connection_settings(k8s):
     nats_url = k8s.configmap_data(k8s.container("gateway"))["PDSERVE_NATS_URL"]
-    from nats.aio.client import Client  # what shared/transport/nats_bus.connect hands the URL to
+    from nats.aio.client import Client  # what shared/transport/nats_bus.connect hands each URL to
 
-    Client()._parse_server_uri(nats_url)  # raises on a list (nats_bus passes the string as one URL)
+    for url in nats_url.split(","):
+        Client()._parse_server_uri(url.strip())
     service = k8s.get("Service", urlsplit(nats_url).hostname)
     assert service["spec"]["selector"] == {"app.kubernetes.io/component": "nats"}
     assert urlsplit(nats_url).port in [p["port"] for p in service["spec"]["ports"]]

@@ -233,3 +233,79 @@ def test_decode_worker_sigterm_finishes_its_streams_then_exits(tmp_path_factory)
         wait_no_blocks_in_use(url)
     finally:
         stack.stop()
+
+
+async def _stream_leader(url: str, stream: str) -> tuple[str, list[str]]:
+    """(the node leading `stream`, the nodes holding a current copy of it)."""
+    from shared.transport import nats_bus
+
+    nc = await nats_bus.connect(url, "test-leader")
+    try:
+        cluster = (await nc.jetstream().stream_info(stream)).cluster
+        return cluster.leader, sorted([cluster.leader] + [p.name for p in cluster.replicas or [] if p.current])
+    finally:
+        await nc.close()
+
+
+def stream_leader(url: str, stream: str) -> tuple[str, list[str]]:
+    import asyncio
+
+    return asyncio.run(_stream_leader(url, stream))
+
+
+def test_nats_cluster_node_leading_the_prefill_queue_killed_every_request_completes_once(tmp_path_factory):
+    """A 3-node NATS cluster (work queues R3), 2 played hosts' workers, 24 streams in flight: SIGKILL
+    the node leading PD_PREFILL. Every client gets exactly the undisturbed answer (no gap, no
+    duplicate token), no decode job runs twice (takes = 1 + migrations for every request), new
+    requests are served again within a bound; the node restarted rejoins the stream's replicas."""
+    from shared.protocol import subjects
+    from shared.transport.servers import cluster_url
+
+    stack, url = up(tmp_path_factory, "--nats-cluster", "3", "--hosts", "2", "--prefill", "2", "--decode", "2",
+                    "--gateway-arg=--inactivity-timeout=30")
+    try:
+        nodes = {s.name: s for s in stack.servers if s.name.startswith("nats-")}
+        nats_url = cluster_url(list(nodes.values()))
+        leader, copies = stream_leader(nats_url, subjects.PREFILL_STREAM)
+        assert copies == ["nats-0", "nats-1", "nats-2"], copies  # replicated 3 ways
+        prompts = [f"Write a short story about a lighthouse keeper named Keeper {i}." for i in range(24)]
+        tokens = 48
+        expected = undisturbed(url, prompts, tokens)
+        results, threads = run_streams(url, prompts, tokens)
+        time.sleep(2.0)  # prefills queued and running, the first streams decoding
+        nodes[leader].proc.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        # a new request after the kill: served once the clients have failed over and a leader is elected
+        probe_text, probe_errors, _ = stream_events(url, "What is the capital of France?", 8, timeout=120)
+        recovery_s = time.monotonic() - killed_at
+        join_all(threads, 240)
+        all_done_s = time.monotonic() - killed_at
+        assert not probe_errors and probe_text
+        assert len(results) == len(prompts)
+        for i, (text, errors, _) in results.items():
+            assert not errors, (i, errors)
+            assert text == expected[i], (i, text, expected[i])
+        gateway_log = (stack.workdir / "gateway.log").read_text()
+        migrations = {}
+        for rid, n in re.findall(r"request (\S+): .* resubmitting \(migration (\d+)\)", gateway_log):
+            migrations[rid] = max(migrations.get(rid, 0), int(n))
+        takes = {}
+        for name in ("decode-0", "decode-1"):
+            for rid in re.findall(r"took request (\S+) \(", (stack.workdir / f"{name}.log").read_text()):
+                takes[rid] = takes.get(rid, 0) + 1
+        twice = {rid: n for rid, n in takes.items() if n != 1 + migrations.get(rid, 0)}
+        assert not twice, twice
+        # the node comes back on its ports and state, and is a current copy of the queue again
+        nodes[leader].start()
+        deadline = time.monotonic() + 60
+        while leader not in stream_leader(nats_url, subjects.PREFILL_STREAM)[1]:
+            assert time.monotonic() < deadline, f"{leader} did not rejoin PD_PREFILL's replicas"
+            time.sleep(1.0)
+        new_leader = stream_leader(nats_url, subjects.PREFILL_STREAM)[0]
+        print(f"\nNATS node {leader} (PD_PREFILL's leader) killed with 24 streams in flight: all completed identically, "
+              f"{sum(migrations.values())} migrated, all done {all_done_s:.1f} s after the kill; a new request (queued "
+              f"behind them) was answered {recovery_s:.1f} s after it; "
+              f"new leader {new_leader}; {leader} rejoined")
+        wait_no_blocks_in_use(url)
+    finally:
+        stack.stop()

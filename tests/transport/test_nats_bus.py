@@ -1,0 +1,67 @@
+"""NATS on real servers: a URL list fails over, a retried job publish is stored once, and a 3-node
+cluster gets its work queues replicated 3 ways (what every service creates at start)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from shared.protocol import subjects
+from shared.transport import nats_bus
+from shared.transport.servers import cluster_url, free_port, start_nats_cluster
+
+
+async def test_a_url_list_connects_past_a_dead_server(nats_server):
+    dead = f"nats://127.0.0.1:{free_port()}"
+    nc = await nats_bus.connect(f"{dead}, {nats_server.url}", "test-list")
+    try:
+        assert nc.is_connected and nc.connected_url.port == nats_server.port
+    finally:
+        await nc.close()
+    with pytest.raises(ValueError, match="no NATS server URL"):
+        await nats_bus.connect(" , ", "test-empty")
+
+
+async def test_a_job_published_again_with_its_id_is_stored_once(nats_server):
+    nc = await nats_bus.connect(nats_server.url, "test-dedup")
+    js = nc.jetstream()
+    try:
+        await nats_bus.ensure_streams(js)
+        subject = subjects.worker_jobs(subjects.PREFILL_JOBS, "dedup-test")  # no consumer: jobs stay
+        await js.purge_stream(subjects.PREFILL_STREAM, subject=subject)
+        first = await nats_bus.publish_job(js, subject, b"job", "rid-1.0")
+        again = await nats_bus.publish_job(js, subject, b"job", "rid-1.0")  # e.g. after a lost ack
+        other = await nats_bus.publish_job(js, subject, b"job", "rid-1.1")  # the next attempt is a new job
+        assert not first.duplicate and again.duplicate and again.seq == first.seq
+        assert not other.duplicate and other.seq > first.seq
+        info = await js.stream_info(subjects.PREFILL_STREAM, subjects_filter=subject)
+        assert info.state.subjects == {subject: 2}
+        await js.purge_stream(subjects.PREFILL_STREAM, subject=subject)
+    finally:
+        await nc.close()
+
+
+@pytest.mark.slow
+async def test_a_three_node_cluster_replicates_the_work_queues(tmp_path):
+    nodes = await asyncio.to_thread(start_nats_cluster, 3, tmp_path)
+    try:
+        for _ in range(50):  # the routes between the nodes form within moments of their start
+            nc = await nats_bus.connect(cluster_url(nodes), "test-cluster")
+            if nats_bus.stream_replicas(nc) == 3:
+                break
+            await nc.close()
+            await asyncio.sleep(0.1)
+        try:
+            assert nats_bus.stream_replicas(nc) == 3
+            js = nc.jetstream()
+            await nats_bus.ensure_streams(js, replicas=nats_bus.stream_replicas(nc))  # waits for the election
+            for stream in (subjects.PREFILL_STREAM, subjects.DECODE_STREAM):
+                info = await js.stream_info(stream)
+                assert info.config.num_replicas == 3 and info.config.duplicate_window == nats_bus.DEDUP_WINDOW_S
+                assert info.cluster.leader and len(info.cluster.replicas) == 2
+        finally:
+            await nc.close()
+    finally:
+        for node in nodes:
+            node.stop()
