@@ -35,7 +35,8 @@ from services.planner.autoscale import add_autoscale_args, autoscale_config, sta
 from services.supervisor import CrashLoop, RestartPolicy, Supervisor
 from shared.engine.cores import SLOTS as CORE_SLOTS
 from shared.transport.servers import (
-    ServerProcess, cluster_url, die_with_parent, start_nats, start_nats_cluster, start_valkey, wait_for_http_ok,
+    ServerProcess, cluster_url, die_with_parent, sentinel_url, start_nats, start_nats_cluster, start_valkey,
+    start_valkey_ha, wait_for_http_ok,
 )
 
 log = logging.getLogger("pdserve.up")
@@ -52,6 +53,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats-cluster", type=int, default=1, metavar="N",
                    help="start N nats-server nodes as one JetStream cluster (work queues replicated 3 ways from "
                         "N = 3: a job survives losing a node) instead of one server")
+    p.add_argument("--valkey-ha", action="store_true",
+                   help="start a Valkey primary, a replica and 3 sentinels instead of one server: the services "
+                        "follow a failover to the replica")
     p.add_argument("--host", default=env("PDSERVE_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(env("PDSERVE_PORT", "8000")))
     # None below: "not given", resolved after parsing (`resolve_settings`): flag > --preset > default
@@ -288,7 +292,12 @@ def _start(stack: Stack, args: argparse.Namespace) -> None:
                             token=args.nats_token)
         stack.add_server(server)
         nats_url = server.url
-    if redis_url is None:
+    if redis_url is None and args.valkey_ha:
+        servers = start_valkey_ha(stack.workdir / "valkey", password=args.redis_password)
+        for server in servers:
+            stack.add_server(server)
+        redis_url = sentinel_url(servers[2:])
+    elif redis_url is None:
         server = start_valkey(workdir=stack.workdir / "valkey", password=args.redis_password)
         stack.add_server(server)
         redis_url = server.url
@@ -435,12 +444,19 @@ def format_plan(args: argparse.Namespace) -> str:
         lines.append(f"  {'':<12} work queues replicated {min(3, args.nats_cluster)} ways; services get every node's URL")
     elif args.nats is None:
         lines.append(f"  {'nats':<12} nats-server -js on a free port (NATS_PORT), state in {workdir / 'nats'}")
-    if args.redis is None:
+    if args.redis is None and args.valkey_ha:
+        lines.append(f"  {'valkey-0':<12} valkey-server, the primary (VALKEY_PORT_0)")
+        lines.append(f"  {'valkey-1':<12} valkey-server --replicaof 127.0.0.1 VALKEY_PORT_0")
+        for i in range(3):
+            lines.append(f"  {f'sentinel-{i}':<12} valkey-server --sentinel on SENTINEL_PORT_{i}, monitoring the "
+                         "primary as 'pdserve' (quorum 2, down after 1 s)")
+    elif args.redis is None:
         lines.append(f"  {'valkey':<12} valkey-server on a free port (VALKEY_PORT), state in {workdir / 'valkey'}")
     nats = args.nats or (",".join(f"nats://127.0.0.1:NATS_PORT_{i}" for i in range(args.nats_cluster))
                          if args.nats_cluster > 1 else "nats://127.0.0.1:NATS_PORT")
-    conn = connection_argv(args, nats,
-                           args.redis or "redis://127.0.0.1:VALKEY_PORT")
+    redis = args.redis or ("redis+sentinel://" + ",".join(f"127.0.0.1:SENTINEL_PORT_{i}" for i in range(3)) + "/pdserve"
+                           if args.valkey_ha else "redis://127.0.0.1:VALKEY_PORT")
+    conn = connection_argv(args, nats, redis)
     for child in plan_children(args, WorkerRecipe(args, str(model), conn, workdir)):
         lines.append(f"  {child.name:<12} {shlex.join(child.argv())}")
     return "\n".join(lines)

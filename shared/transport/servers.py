@@ -187,15 +187,63 @@ def cluster_url(nodes: list[ServerProcess]) -> str:
 
 
 def start_valkey(port: int | None = None, workdir: str | Path | None = None, *,
-                 password: str | None = None) -> ServerProcess:
+                 password: str | None = None, replica_of: int | None = None, name: str = "valkey") -> ServerProcess:
+    """A valkey-server; with `replica_of` (the primary's port) a replica of it."""
     port = port or free_port()
     workdir = Path(workdir or tempfile.mkdtemp(prefix="pdserve-valkey-"))
     workdir.mkdir(parents=True, exist_ok=True)
     args = [valkey_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--dir", str(workdir)]
     if password:
-        args += ["--requirepass", password]
-    proc = _spawn(args, workdir, "valkey")
+        args += ["--requirepass", password, "--masterauth", password]  # (a replica logs in to its primary)
+    if replica_of is not None:
+        args += ["--replicaof", "127.0.0.1", str(replica_of)]
+    proc = _spawn(args, workdir, name)
     wait_for_port(port, proc=proc)
-    log.info("valkey-server on port %d", port)
-    return ServerProcess("valkey", port, proc, workdir, args)
+    log.info("%s on port %d%s", name, port, f" (replica of {replica_of})" if replica_of else "")
+    return ServerProcess(name, port, proc, workdir, args)
+
+
+SENTINEL_MASTER = "pdserve"  # the name the sentinels know the primary by
+
+
+def start_valkey_ha(workdir: str | Path | None = None, *, password: str | None = None, sentinels: int = 3,
+                    down_after_ms: int = 1000, failover_timeout_ms: int = 5000) -> list[ServerProcess]:
+    """A Valkey primary, one replica and `sentinels` sentinels (quorum: a majority) watching them:
+    when the primary is down for `down_after_ms`, the sentinels promote the replica, and clients
+    that ask them (`redis+sentinel://…/pdserve`, see `sentinel_url`) follow. Returns [primary,
+    replica, sentinel-0, …]."""
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="pdserve-valkey-"))
+    primary = start_valkey(workdir=workdir / "valkey-0", password=password, name="valkey-0")
+    started = [primary]
+    try:
+        started.append(start_valkey(workdir=workdir / "valkey-1", password=password, replica_of=primary.port,
+                                    name="valkey-1"))
+        for i in range(sentinels):
+            port, node_dir = free_port(), workdir / f"sentinel-{i}"
+            node_dir.mkdir(parents=True, exist_ok=True)
+            conf = node_dir / "sentinel.conf"  # the sentinel rewrites it with what it learns
+            lines = [f"port {port}", "bind 127.0.0.1", f"dir {node_dir}",
+                     f"sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {primary.port} {sentinels // 2 + 1}",
+                     f"sentinel down-after-milliseconds {SENTINEL_MASTER} {down_after_ms}",
+                     f"sentinel failover-timeout {SENTINEL_MASTER} {failover_timeout_ms}",
+                     f"sentinel parallel-syncs {SENTINEL_MASTER} 1"]
+            if password:
+                lines.append(f"sentinel auth-pass {SENTINEL_MASTER} {password}")
+            conf.write_text("\n".join(lines) + "\n")
+            args = [valkey_server_binary(), str(conf), "--sentinel"]
+            node = ServerProcess(f"sentinel-{i}", port, _spawn(args, node_dir, f"sentinel-{i}"), node_dir, args)
+            started.append(node)
+            wait_for_port(port, proc=node.proc)
+    except BaseException:
+        for server in started:
+            server.stop()
+        raise
+    log.info("Valkey primary %d, replica %d, sentinels %s", primary.port, started[1].port,
+             [s.port for s in started[2:]])
+    return started
+
+
+def sentinel_url(sentinels: list[ServerProcess]) -> str:
+    """`redis+sentinel://127.0.0.1:P1,127.0.0.1:P2,…/pdserve`: what every service takes as --redis."""
+    return "redis+sentinel://" + ",".join(f"127.0.0.1:{s.port}" for s in sentinels) + f"/{SENTINEL_MASTER}"

@@ -355,3 +355,41 @@ def test_valkey_flushed_then_restarted_mid_load(tmp_path_factory):
         wait_no_blocks_in_use(url, 30)
     finally:
         stack.stop()
+
+
+def test_valkey_primary_killed_the_replica_takes_over_and_services_follow(tmp_path_factory):
+    """`pdserve up --valkey-ha` (a primary, a replica, 3 sentinels; every service given the
+    sentinels): SIGKILL the primary while 8 streams decode — the replica is promoted, every stream
+    completes, the registry and the routing index's snapshots are written to the new primary (the
+    services followed it), and new requests are served."""
+    import redis
+
+    stack, url = up(tmp_path_factory, "--valkey-ha")
+    try:
+        primary, replica = (next(s for s in stack.servers if s.name == name) for name in ("valkey-0", "valkey-1"))
+        promoted = redis.Redis(port=replica.port)
+        prompts = [f"Write a poem about mountain number {i}." for i in range(8)]
+        results, threads = run_streams(url, prompts, 64)
+        time.sleep(1.5)
+        primary.proc.kill()
+        killed_at = time.monotonic()
+        join_all(threads, 120)
+        completed, errored = _count(results)
+        assert (completed, errored) == (len(prompts), 0), results
+        deadline = time.monotonic() + 30
+        while promoted.info("replication")["role"] != "master":
+            assert time.monotonic() < deadline, "the sentinels did not promote the replica"
+            time.sleep(0.2)
+        promoted_s = time.monotonic() - killed_at
+        # what the services write from now on lands on the new primary: heartbeats refresh the
+        # registry's keys, cache locations re-write their snapshots
+        promoted.delete(*promoted.keys("pd:worker:*"), *promoted.keys("pd:cache:*"))
+        while not (promoted.keys("pd:worker:*") and promoted.keys("pd:cache:*")):
+            assert time.monotonic() < deadline, "the services do not write to the promoted replica"
+            time.sleep(0.2)
+        serving_s = _wait_serving(url, 30)
+        print(f"\nValkey primary killed: replica promoted within {promoted_s:.1f} s; 8/8 streams completed; "
+              f"registry refilled on the new primary; serving ({serving_s:.1f} s)")
+        wait_no_blocks_in_use(url, 30)
+    finally:
+        stack.stop()
