@@ -120,7 +120,9 @@ class Recorder:
             rid, kind = seq.rid, seq.kind
             last = last_s[rid]
             per_kind[kind] += 1
-            if last == start:
+            if last < 0:  # its prompt's last token, all the rest cached: the span's first step samples
+                self.first_s[rid] = first_end  # its first token (no gap before it)
+            elif last == start:
                 cont_kind[kind] += 1
             elif counting_first:
                 hists[kind].add(first_end - last)

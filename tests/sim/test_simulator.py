@@ -90,6 +90,19 @@ def test_prefix_cache_hits_on_a_shared_prefix():
     assert on["ttft_ms"]["p50"] < off["ttft_ms"]["p50"] / 2
 
 
+@pytest.mark.parametrize("mode, prompt, keys", [("disaggregated", 17, ("k",)), ("colocated", 257, ())])
+def test_a_prompt_whose_last_step_is_one_token_gets_its_first_token_from_it(mode, prompt, keys):
+    """One token left to compute — the first 16 of 17 cached, or 257 tokens chunked by a 256-token
+    budget — looks like a decode step (and may run inside a decode span); it is the request's first
+    token all the same. (The 1,000-GPU study's colocated search once ended on 'times out of order'.)"""
+    reqs = [SimRequest(2.0 * i, prompt, 12, prefix_keys=keys) for i in range(6)]  # one at a time: a span
+    cluster = _run(ClusterConfig(mode=mode, decode=1, prefill=1), reqs)
+    rec = cluster.rec
+    assert all(0 <= rec.first_s[r] - rec.arrival[r] < 2.0 for r in range(6))
+    if keys:
+        assert cluster.cache.hit_tokens == 16 * 5
+
+
 def test_closed_loop_interference_and_itl_window():
     from services.bench.workloads import Workload
 
