@@ -27,14 +27,15 @@ run: install model
 generate: install model
 	$(BIN)/pdserve generate --chat --stats "What is the capital of France? Answer in one sentence."
 
-# the system tools some tests drive: chromium (the dashboard, headless) and promtool (the metrics
-# format); Debian packages, installed when missing and this is root on a Debian-like system
-APT_INSTALL = DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium prometheus >/dev/null
+# the system tools some tests drive: chromium (the dashboard, headless), promtool (the metrics
+# format) and ip (iproute2: the played hosts' network namespaces); Debian packages, installed when
+# missing and this is root on a Debian-like system
+APT_INSTALL = DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium prometheus iproute2 >/dev/null
 tools:
-	@command -v chromium >/dev/null && command -v promtool >/dev/null || \
+	@command -v chromium >/dev/null && command -v promtool >/dev/null && command -v ip >/dev/null || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	    { $(APT_INSTALL) || { apt-get update -q >/dev/null && $(APT_INSTALL); }; }; } || \
-	  echo "make tools: chromium/promtool missing and not installable here; their tests will say so"
+	  echo "make tools: chromium/promtool/ip missing and not installable here; their tests will say so"
 
 test: install model tools
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -2,6 +2,8 @@
 
     python -m services.kvstore.bench                       # 125 SmolLM2 bf16 blocks ≈ a 2,000-token prompt
     python -m services.kvstore.bench --blocks 32 --repeat 20
+    python -m services.kvstore.bench --store kv-h1 --nats nats://10.0.0.1:4222 --paths network --json out.json
+                                                           # a running store (another host, say)
 
 Starts its own nats-server and valkey-server on free ports and the store as a separate process
 (`python -m services.kvstore`), like a worker would see it. Reports the median of --repeat runs of
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import subprocess
 import sys
@@ -35,7 +38,7 @@ from shared.transport.servers import start_nats, start_valkey
 SMOLLM2_BLOCK = (30, 2, 16, 3, 64)  # [L, 2, block_size, Hkv, Dh]: 368,640 bytes in bf16
 
 
-async def _wait_attached(nc, store: str, use_shm: bool, proc: subprocess.Popen) -> KVStoreClient:
+async def _wait_attached(nc, store: str, use_shm: bool, proc: subprocess.Popen | None) -> KVStoreClient:
     deadline = time.monotonic() + 60
     while True:
         client = KVStoreClient(nc, store, use_shm=use_shm, timeout=30)
@@ -43,7 +46,7 @@ async def _wait_attached(nc, store: str, use_shm: bool, proc: subprocess.Popen) 
             await client.attach()
             return client
         except KVStoreError:
-            if proc.poll() is not None or time.monotonic() > deadline:
+            if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.1)
 
@@ -73,7 +76,7 @@ async def _one_round(client: KVStoreClient, data: torch.Tensor, keys: list[bytes
     return t1 - t0, t3 - t2
 
 
-async def _bench(args, nats_url: str, store: str, proc: subprocess.Popen) -> None:
+async def _bench(args, nats_url: str, store: str, proc: subprocess.Popen | None) -> dict:
     data = torch.randn(args.blocks, *SMOLLM2_BLOCK).to(torch.bfloat16)
     out = torch.empty_like(data)
     nbytes = data.numel() * data.element_size()
@@ -83,11 +86,14 @@ async def _bench(args, nats_url: str, store: str, proc: subprocess.Popen) -> Non
     print(f"{args.blocks} blocks × {nbytes // args.blocks:,} B = {nbytes / 2**20:.1f} MiB; for scale: "
           f"memcpy {1e3 * copy_s:.1f} ms ({nbytes / copy_s / 2**30:.2f} GiB/s), "
           f"crc32 {1e3 * crc_s:.1f} ms ({nbytes / crc_s / 2**30:.2f} GiB/s)")
-    nc = await nats.connect(nats_url)
+    results = {"blocks": args.blocks, "bytes": nbytes, "memcpy_s": copy_s, "crc32_s": crc_s, "paths": {}}
+    nc = await nats.connect(nats_url.split(","))
     try:
-        for use_shm in (True, False):
+        for use_shm in (path == "shm" for path in args.paths.split(",")):
             client = await _wait_attached(nc, store, use_shm, proc)
             path = "shm" if client.shm_attached else "network"
+            if use_shm and not client.shm_attached:
+                raise SystemExit(f"kvstore {store}'s shared memory is not reachable from here (another host?)")
             writes, reads = [], []
             for r in range(args.repeat + 1):
                 # fresh keys each round: every write is a miss, every read a hit
@@ -99,16 +105,34 @@ async def _bench(args, nats_url: str, store: str, proc: subprocess.Popen) -> Non
             w, rd = statistics.median(writes), statistics.median(reads)
             print(f"{path:8s} write+commit {1e3 * w:7.1f} ms ({nbytes / w / 2**30:5.2f} GiB/s)   "
                   f"lookup+read {1e3 * rd:7.1f} ms ({nbytes / rd / 2**30:5.2f} GiB/s)")
+            results["paths"][path] = {"write_s": w, "read_s": rd, "write_gib_s": nbytes / w / 2**30,
+                                      "read_gib_s": nbytes / rd / 2**30}
             await client.close()
     finally:
         await nc.close()
+    return results
+
+
+def _write(path: str | None, results: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.kvstore.bench")
     p.add_argument("--blocks", type=int, default=125)
     p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--paths", default="shm,network", help="which transfer paths, in order")
+    p.add_argument("--store", default=None, help="a running kvstore to measure (default: start one, and its servers)")
+    p.add_argument("--nats", default=None, help="with --store: its NATS (URL list)")
+    p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
+    if args.store:
+        if not args.nats:
+            p.error("--store needs --nats")
+        _write(args.json, asyncio.run(_bench(args, args.nats, args.store, None)))
+        return 0
     work = tempfile.mkdtemp(prefix="pdserve-kvbench-")
     nats_server, valkey_server = start_nats(workdir=f"{work}/nats"), start_valkey(workdir=f"{work}/valkey")
     store = f"bench-{uuid.uuid4().hex[:8]}"
@@ -118,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                              str(2 * args.blocks), "--nats", nats_server.url, "--redis", valkey_server.url,
                              "--log-level", "WARNING"])
     try:
-        asyncio.run(_bench(args, nats_server.url, store, proc))
+        _write(args.json, asyncio.run(_bench(args, nats_server.url, store, proc)))
     finally:
         proc.terminate()
         proc.wait(10)

@@ -23,11 +23,16 @@ from shared.protocol import subjects
 log = logging.getLogger(__name__)
 
 
+PING_INTERVAL_S = 2.0  # (nats-py's default, 2 minutes, would hold a partitioned connection that long)
+
+
 async def connect(url: str, name: str, *, user: str | None = None, password: str | None = None,
                   token: str | None = None, connect_timeout: float = 5.0) -> NATS:
     """Connect and keep reconnecting forever (services outlive a NATS restart). `url` may list
-    several servers, comma-separated (the nodes of a cluster): the client connects to one and fails
-    over to the others (and to any the cluster announces)."""
+    several servers, comma-separated (the nodes of a cluster), in order of preference — put this
+    host's node first: the client connects to the first that answers and fails over down the list
+    (and to any node the cluster announces). A connection that silently stops carrying traffic (a
+    partitioned link: no reset) is found dead by its pings within ~PING_INTERVAL_S × 3."""
     servers = [u.strip() for u in url.split(",") if u.strip()]
     if not servers:
         raise ValueError(f"no NATS server URL in {url!r}")
@@ -45,6 +50,7 @@ async def connect(url: str, name: str, *, user: str | None = None, password: str
         servers, name=name, user=user, password=password, token=token,
         connect_timeout=connect_timeout, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
         allow_reconnect=True, error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
+        ping_interval=PING_INTERVAL_S, max_outstanding_pings=3, dont_randomize=True,
         pending_size=64 * 1024 * 1024,
     )
 

@@ -24,17 +24,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for_port(port: int, timeout: float = 10.0, proc: subprocess.Popen | None = None) -> None:
+def wait_for_port(port: int, timeout: float = 10.0, proc: subprocess.Popen | None = None,
+                  host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with code {proc.returncode} before listening on port {port}")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            with socket.create_connection((host, port), timeout=0.2):
                 return
         except OSError:
             time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout:.0f} s")
+    raise TimeoutError(f"nothing listening on {host}:{port} after {timeout:.0f} s")
 
 
 def wait_for_http_ok(url: str, timeout: float, check_alive=None) -> None:
