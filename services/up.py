@@ -220,11 +220,12 @@ class Stack:
         self.servers: list[ServerProcess] = []
         self.supervisor = Supervisor(policy)
         self.recipe: WorkerRecipe | None = None  # how its workers are started (set by _start)
+        self.env: dict[str, str] = {}  # added to every child's environment
 
     def spawn(self, name: str, module: str, args: list[str], extra_env: dict[str, str] | None = None,
               stage: int = STAGE_WORKERS) -> None:
         log_path = self.workdir / f"{name}.log"
-        env_vars = os.environ | (extra_env or {})
+        env_vars = os.environ | self.env | (extra_env or {})
 
         def start() -> subprocess.Popen:
             with open(log_path, "ab") as log_file:  # the child keeps its own descriptor
@@ -286,7 +287,7 @@ def _start(stack: Stack, args: argparse.Namespace) -> None:
             stack.add_server(node)
         nats_url = cluster_url(nodes)
         # every service creates the work queues this replicated (unless the environment says otherwise)
-        os.environ.setdefault("PDSERVE_STREAM_REPLICAS", str(min(3, args.nats_cluster)))
+        stack.env["PDSERVE_STREAM_REPLICAS"] = os.environ.get("PDSERVE_STREAM_REPLICAS", str(min(3, args.nats_cluster)))
     elif nats_url is None:
         server = start_nats(workdir=stack.workdir / "nats", user=args.nats_user, password=args.nats_password,
                             token=args.nats_token)

@@ -29,8 +29,6 @@ KUBECTL = shutil.which("kubectl")
 SERVICES = ("gateway", "prefill", "decode", "kvstore")  # the pdserve image's entry points
 WORKERS = ("prefill", "decode")
 ENTRYPOINT = "/etc/pdserve/entrypoint.sh"
-# env names the manifests set ahead of the code that reads them
-PENDING_ENV = {"PDSERVE_STREAM_REPLICAS": "the services' --stream-replicas option (R3 streams)"}
 
 
 class Manifests:
@@ -318,7 +316,7 @@ def test_env_names_are_read_by_the_code(k8s):
             for m in re.findall(r"[\"'](PDSERVE_\w+)[\"']", p.read_text())}
     for component in SERVICES:
         names = {n for n in k8s.env(k8s.container(component)) if n.startswith("PDSERVE_")}
-        unread = names - read - PENDING_ENV.keys()
+        unread = names - read
         assert not unread, f"{component}: nothing in services/ or shared/ reads {sorted(unread)}"
 
 
