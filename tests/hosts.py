@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +31,20 @@ from shared.transport.servers import die_with_parent, nats_server_binary, valkey
 
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def cannot_play_hosts() -> str | None:
+    """Why this machine cannot make network namespaces (no `ip`, not permitted), or None."""
+    if shutil.which("ip") is None:
+        return "needs `ip` (iproute2; make tools installs it)"
+    probe = f"pdprobe{os.getpid() % 100000}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        if "denied" in made.stderr.lower() or "not permitted" in made.stderr.lower():
+            return f"network namespaces are not permitted here: {made.stderr.strip()}"
+        raise RuntimeError(f"ip netns add failed: {made.stderr.strip()}")
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
 
 
 class PlayedHosts:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,12 +22,11 @@ import httpx
 import pytest
 
 from shared.model.hub import resolve_model_path
-from tests.hosts import DelayProxy, PlayedHosts
+from tests.hosts import DelayProxy, PlayedHosts, cannot_play_hosts
 from tests.services.test_e2e import MODEL, offline_greedy
 from tests.services.test_faults import join_all, stream_events
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(shutil.which("ip") is None, reason="needs iproute2 (make tools installs it)")]
+pytestmark = pytest.mark.slow
 
 
 def deploy(hosts: PlayedHosts, layout: dict[int, tuple[str, ...]], *gateway_args: str) -> str:
@@ -83,6 +81,9 @@ def ask(url: str, content: str, max_tokens: int) -> str:
 
 @pytest.fixture
 def hosts(tmp_path):
+    why = cannot_play_hosts()
+    if why:
+        pytest.skip(why)
     h = PlayedHosts(3, tmp_path)
     yield h
     h.close()
