@@ -344,7 +344,7 @@ class WorkerRecipe:
     the engines `up` starts) and a core-share slot of its own."""
 
     def __init__(self, args: argparse.Namespace, model: str, conn: list[str], workdir: Path):
-        self.args, self.model, self.conn, self.workdir = args, model, conn, workdir
+        self.args, self.model, self._conn, self.workdir = args, model, conn, workdir
         self.colocated = args.mode == "colocated"
         self.stores = store_names(args.hosts, os.getpid())
         self.model_args = ["--model", model, "--dtype", args.dtype, "--quantization", args.quantization,
@@ -353,13 +353,23 @@ class WorkerRecipe:
         n_engines = args.decode + (0 if self.colocated else args.prefill)
         self.threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, n_engines))
 
+    def conn(self, k: int = 0) -> list[str]:
+        """The connection arguments, a NATS URL list rotated by `k`: clients keep the list's order
+        (nats_bus.connect), so the children of a --nats-cluster spread over its nodes instead of all
+        connecting to the first (and all reconnecting at once when it goes)."""
+        argv = list(self._conn)
+        urls = argv[argv.index("--nats") + 1].split(",")
+        k %= len(urls)
+        argv[argv.index("--nats") + 1] = ",".join(urls[k:] + urls[:k])
+        return argv
+
     def slot(self, role: str, i: int) -> int:
         """Unique per worker name: prefill i → 2i, decode i → 2i + 1 (colocated i → i)."""
         return i if self.colocated else 2 * i + (role != "prefill")
 
     def child(self, role: str, i: int) -> ChildSpec:
         name, args = f"{role}-{i}", self.args
-        argv = (self.conn + self.model_args + ["--kvstore", self.stores[i % len(self.stores)],
+        argv = (self.conn(self.slot(role, i)) + self.model_args + ["--kvstore", self.stores[i % len(self.stores)],
                                                "--threads", str(self.threads)] + args.worker_arg)
         if args.kv_network:
             argv.append("--kv-network")
@@ -406,19 +416,19 @@ def plan_children(args: argparse.Namespace, recipe: WorkerRecipe) -> list[ChildS
 
         hosts=2   kv-…-h0: prefill-0 decode-0 prefill-2 …   kv-…-h1: prefill-1 decode-1 …
     """
-    conn, model = recipe.conn, recipe.model
+    model = recipe.model
     children = []
     if not recipe.colocated:
         for h, store in enumerate(recipe.stores):
             children.append(ChildSpec("kvstore" if len(recipe.stores) == 1 else f"kvstore-h{h}", "services.kvstore",
-                                      [*conn, "--model", model, "--dtype", args.kv_dtype, "--store", store,
+                                      [*recipe.conn(h), "--model", model, "--dtype", args.kv_dtype, "--store", store,
                                        "--num-slots", str(args.kv_slots)], STAGE_KVSTORE))
         children += [recipe.child("prefill", i) for i in range(args.prefill)]
     role = "colocated" if recipe.colocated else "decode"
     children += [recipe.child(role, i) for i in range(args.decode)]
     expect = ({"colocated": args.decode} if recipe.colocated else
               {"prefill": args.prefill, "decode": args.decode, "kvstore": len(recipe.stores)})
-    gateway = conn + ["--model", model, "--host", args.host, "--port", str(args.port), "--mode", args.mode,
+    gateway = recipe.conn() + ["--model", model, "--host", args.host, "--port", str(args.port), "--mode", args.mode,
                       "--expect", ",".join(f"{role}={n}" for role, n in expect.items())]
     if args.api_key:
         gateway += ["--api-key", args.api_key]

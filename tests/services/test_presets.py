@@ -37,7 +37,7 @@ class DryRun:
                 in_plan = True
             elif in_plan and line.startswith("  "):
                 name, rest = line.strip().split(None, 1)
-                if name not in ("nats", "valkey"):  # described, not a command line: ports come at start
+                if " -m services." in rest:  # the servers are described, not command lines: ports come at start
                     self.children[name] = shlex.split(rest)
             elif m := re.match(r"  (--[\w-]+)\s+(\S+)\s+\[(.+)\]$", line):
                 self.settings[m[1]] = (m[2], m[3])
@@ -172,6 +172,18 @@ def test_hosts_spread_workers_over_one_kvstore_each(capsys):
     assert value(out.children["gateway"], "--expect") == "prefill=2,decode=3,kvstore=2"
     slots = [int(value(argv, "--core-slot")) for argv in out.workers().values()]
     assert len(set(slots)) == 5  # one machine: the engines still share its cores, each its own slot
+
+
+def test_a_nats_cluster_s_urls_reach_every_child_spread_over_its_nodes(capsys):
+    out = dry_run(capsys, "--nats-cluster", "3", "--prefill", "2", "--decode", "2", "--valkey-ha")
+    nodes = {f"nats://127.0.0.1:NATS_PORT_{i}" for i in range(3)}
+    lists = {name: value(argv, "--nats").split(",") for name, argv in out.children.items()}
+    assert lists and all(sorted(urls) == sorted(nodes) for urls in lists.values()), lists
+    assert len({urls[0] for name, urls in lists.items() if name in out.workers()}) >= 2  # not all on one node
+    assert {value(argv, "--redis") for argv in out.children.values()} == {
+        "redis+sentinel://127.0.0.1:SENTINEL_PORT_0,127.0.0.1:SENTINEL_PORT_1,127.0.0.1:SENTINEL_PORT_2/pdserve"}
+    for line in ("nats-2", "valkey-1", "sentinel-2", "work queues replicated 3 ways"):
+        assert line in out.text
 
 
 def test_colocated_has_no_kvstore_on_any_number_of_hosts(capsys):
