@@ -30,6 +30,7 @@ from services.gateway.responses import ResponseMeta
 from services.gateway.streaming import CLIENT_GONE, SSEResponse, collect, sse_body
 from services.gateway.tools import parse_tools
 from services.gateway.trace import RequestTrace
+from shared.transport import nats_bus
 
 if TYPE_CHECKING:
     from services.gateway.app import GatewayState
@@ -68,7 +69,7 @@ async def health(request: Request) -> JSONResponse:
     alive = await state.require_workers()
     await state.check_started()
     return JSONResponse({"status": "ok", "mode": state.config.mode, "model": state.model.name, "workers": alive,
-                         "requests_in_flight": state.admission.in_flight})
+                         "requests_in_flight": state.admission.in_flight, "nats": nats_bus.describe(state.nc)})
 
 
 @router.get("/metrics")

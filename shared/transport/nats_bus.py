@@ -55,6 +55,15 @@ async def connect(url: str, name: str, *, user: str | None = None, password: str
     )
 
 
+def describe(nc: NATS) -> dict:
+    """Where this client is connected: the server, its cluster and the nodes it knows (for /health)."""
+    info = getattr(nc, "_server_info", None) or {}
+    url = nc.connected_url
+    return {"connected": nc.is_connected, "server": info.get("server_name"),
+            "url": f"{url.hostname}:{url.port}" if url else None, "cluster": info.get("cluster"),
+            "cluster_urls": sorted(info.get("connect_urls") or [])}
+
+
 # JetStream did not answer (yet): no ack in time, no stream leader (an election), no responders
 UNANSWERED = (TimeoutError, ServiceUnavailableError, NoRespondersError, NoStreamResponseError)
 DEDUP_WINDOW_S = 120.0  # a job published again with the same Nats-Msg-Id within this is stored once

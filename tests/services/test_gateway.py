@@ -915,6 +915,12 @@ async def test_health_says_starting_until_every_expected_instance_reported(make_
     gw = make_gateway(expect={"prefill": 1, "decode": 1})
     async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
         await until(lambda: health_status(c), 200)
+        nats = (await c.get("/health")).json()["nats"]  # where the gateway is connected (one server here)
+        assert nats["connected"] and nats["url"].endswith(f":{nats_port(gw)}") and nats["cluster"] is None
+
+
+def nats_port(gw) -> int:
+    return int(gw.config.nats_url.rsplit(":", 1)[1])
 
 
 async def test_reset_prefix_cache_asks_every_worker_behind_the_api_key(make_gateway, peer):

@@ -54,6 +54,9 @@ async def test_a_three_node_cluster_replicates_the_work_queues(tmp_path):
             await asyncio.sleep(0.1)
         try:
             assert nats_bus.stream_replicas(nc) == 3
+            seen = nats_bus.describe(nc)
+            assert seen["connected"] and seen["cluster"] == "pdserve" and seen["server"] == "nats-0"  # the first URL
+            assert len(seen["cluster_urls"]) == 3
             js = nc.jetstream()
             await nats_bus.ensure_streams(js, replicas=nats_bus.stream_replicas(nc))  # waits for the election
             for stream in (subjects.PREFILL_STREAM, subjects.DECODE_STREAM):
