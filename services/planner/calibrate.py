@@ -7,7 +7,9 @@ prefill worker runs at nice 10, so it yields first). Three short runs against a 
 it, each pool on its own:
 
     prefill   batch-1 TTFT at two prompt lengths:  TTFT = s_p · prefill step + request overhead
-    decode    ITL at batch 1 and batch `high_batch`: ITL = s_d · decode step  (s_d: their geometric mean)
+    decode    TPOT at batch 1 and batch `high_batch`: TPOT = s_d · decode step  (s_d: their geometric mean)
+    events    tokens per streamed event = ITL / TPOT (speculative decoding delivers several a step;
+              1 without it): the simulator groups that many token gaps into one event gap
 
 and the profile's fits are scaled by s_p and s_d. A multiplicative decode slowdown, rather than a
 two-point line, because on a shared machine the two points are often noisier than their difference.
@@ -34,6 +36,7 @@ class CalibrationRun:
     output_tokens: int
     itl_mean_s: float
     ttft_p50_s: float
+    tpot_mean_s: float = 0.0  # (E2E − TTFT) / (tokens − 1), per request, averaged
 
 
 RUNS = ((1, 128, 24), (1, 768, 4), (4, 128, 24))  # (concurrency, prompt tokens, output tokens)
@@ -57,9 +60,10 @@ def measure_stack(base_url: str, gguf: str | None, high_batch: int = 4, seed: in
         s = run_benchmark(cfg).runs[0].summary
         if s["failed"]:
             raise RuntimeError(f"calibration run at batch {batch}: {s['failed']} requests failed")
-        runs.append(CalibrationRun(batch, prompt, out, s["itl_ms"]["mean"] / 1e3, s["ttft_ms"]["p50"] / 1e3))
-        log.info("calibration batch %d, %d-token prompts: ITL mean %.1f ms, TTFT p50 %.1f ms", batch, prompt,
-                 s["itl_ms"]["mean"], s["ttft_ms"]["p50"])
+        runs.append(CalibrationRun(batch, prompt, out, s["itl_ms"]["mean"] / 1e3, s["ttft_ms"]["p50"] / 1e3,
+                                   s["tpot_ms"]["mean"] / 1e3))
+        log.info("calibration batch %d, %d-token prompts: ITL mean %.1f ms, TPOT mean %.1f ms, TTFT p50 %.1f ms",
+                 batch, prompt, s["itl_ms"]["mean"], s["tpot_ms"]["mean"], s["ttft_ms"]["p50"])
     return runs
 
 
@@ -77,15 +81,18 @@ def calibrate(profile: Profile, runs: list[CalibrationRun]) -> Profile:
     if not 0.5 <= s_p <= 50:  # the difference drowned in noise: the long prompt alone
         s_p = long.ttft_p50_s / prefill(long)
     request_overhead = max(0.0, short.ttft_p50_s - s_p * prefill(short))
-    s_d = math.sqrt(short.itl_mean_s / decode(short) * wide.itl_mean_s / decode(wide))
+    s_d = math.sqrt(short.tpot_mean_s / decode(short) * wide.tpot_mean_s / decode(wide))
+    tau = max(1.0, math.sqrt(short.itl_mean_s / short.tpot_mean_s * wide.itl_mean_s / wide.tpot_mean_s))
     d, p = profile.decode, profile.prefill
     decode_fit = DecodeFit(s_d * d.base_s, s_d * d.per_seq_s, s_d * d.per_ctx_token_s)
     prefill_fit = PrefillFit(s_p * p.base_s, s_p * p.per_token_s, s_p * p.per_attn_pair_s, s_p * p.per_seq_s)
     meta = dict(profile.meta) | {"calibration": {"prefill_slowdown": s_p, "decode_slowdown": s_d,
-                                                 "request_overhead_s": request_overhead,
+                                                 "request_overhead_s": request_overhead, "tokens_per_event": tau,
                                                  "runs": [r.__dict__ for r in runs]}}
-    log.info("calibration: prefill ×%.2f, decode ×%.2f, request overhead %.1f ms", s_p, s_d, 1e3 * request_overhead)
-    return replace(profile, prefill=prefill_fit, decode=decode_fit, request_overhead_s=request_overhead, meta=meta)
+    log.info("calibration: prefill ×%.2f, decode ×%.2f, request overhead %.1f ms, %.2f tokens per event", s_p, s_d,
+             1e3 * request_overhead, tau)
+    return replace(profile, prefill=prefill_fit, decode=decode_fit, request_overhead_s=request_overhead,
+                   tokens_per_event=tau, meta=meta)
 
 
 def engine_up_args(engine) -> list[str]:

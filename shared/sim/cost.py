@@ -89,6 +89,9 @@ class Profile:
     limits: EngineLimits = EngineLimits()
     # fixed per-request time outside the engine (gateway, queues, publish hops), split by phase
     request_overhead_s: float = 0.0
+    # tokens a stream receives per event (speculative decoding: a step verifies several and keeps
+    # the accepted ones); the decode fit is then per token, and an event's gap spans this many
+    tokens_per_event: float = 1.0
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -96,6 +99,8 @@ class Profile:
             raise ValueError("profile: no KV transfer path")
         if self.request_overhead_s < 0:
             raise ValueError("profile: request_overhead_s must be >= 0")
+        if not self.tokens_per_event >= 1:
+            raise ValueError(f"profile: tokens_per_event must be >= 1, got {self.tokens_per_event}")
 
     # ----------------------------------------------------------------------------- step times
 
@@ -124,7 +129,7 @@ class Profile:
 
     def to_json(self) -> dict[str, Any]:
         return {"version": PROFILE_VERSION, "meta": self.meta, "limits": self.limits.__dict__,
-                "request_overhead_s": self.request_overhead_s,
+                "request_overhead_s": self.request_overhead_s, "tokens_per_event": self.tokens_per_event,
                 "prefill": {"fit": self.prefill.__dict__}, "decode": {"fit": self.decode.__dict__},
                 "kv_transfer": {path: {"write": t.write.__dict__, "read": t.read.__dict__}
                                 for path, t in self.transfer.items()}}
@@ -138,7 +143,8 @@ class Profile:
                         for path, t in data["kv_transfer"].items()}
             return cls(prefill=PrefillFit(**data["prefill"]["fit"]), decode=DecodeFit(**data["decode"]["fit"]),
                        transfer=transfer, limits=EngineLimits(**data.get("limits", {})),
-                       request_overhead_s=float(data.get("request_overhead_s", 0.0)), meta=data.get("meta", {}))
+                       request_overhead_s=float(data.get("request_overhead_s", 0.0)),
+                       tokens_per_event=float(data.get("tokens_per_event", 1.0)), meta=data.get("meta", {}))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"profile: malformed ({exc})") from None
 

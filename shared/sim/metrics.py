@@ -7,7 +7,9 @@ thousand workers' traffic in a few megabytes.
 
     TTFT   first token − arrival (+ the profile's per-request overhead outside the engines)
     TPOT   (E2EL − TTFT) / (output tokens − 1)
-    ITL    gap between consecutive tokens of one request (its first decode gap includes the KV move)
+    ITL    gap between consecutive events of one request (its first decode gap includes the KV move);
+           with speculative decoding an event carries the profile's `tokens_per_event` tokens on
+           average, so each token gap g enters the histogram as an event gap g·τ of weight 1/τ
     E2EL   last token − arrival (+ the same overhead)
 """
 
@@ -71,8 +73,9 @@ class ItlHistogram:
 class Recorder:
     """Per-request times and the ITL histograms; the engines call `token` and `span_tokens`."""
 
-    def __init__(self, kinds: list[str], itl_from_s: float | None = None):
+    def __init__(self, kinds: list[str], itl_from_s: float | None = None, tokens_per_event: float = 1.0):
         self.kinds = kinds
+        self.tau = tokens_per_event
         self.itl_from_s = -math.inf if itl_from_s is None else itl_from_s
         self.hists = [ItlHistogram() for _ in kinds]
         self.arrival: list[float] = []
@@ -101,7 +104,7 @@ class Recorder:
         if last < 0:
             self.first_s[rid] = t
         elif t >= self.itl_from_s:
-            self.hists[seq.kind].add(t - last)
+            self.hists[seq.kind].add((t - last) * self.tau, 1.0 / self.tau)
         self.last_s[rid] = t
         self.tokens[rid] += 1
 
@@ -111,7 +114,7 @@ class Recorder:
         the gaps go to the histograms, step 0's per sequence only when it did not start with the span."""
         k, start, first = span.steps, span.start, span.first_step_s
         first_end = start + first
-        last_s, tokens, hists, bs = self.last_s, self.tokens, self.hists, engine.bs
+        last_s, tokens, hists, bs, tau = self.last_s, self.tokens, self.hists, engine.bs, self.tau
         counting_first = first_end >= self.itl_from_s
         per_kind = [0] * len(hists)
         cont_kind = [0] * len(hists)  # sequences whose previous token ended as the span began
@@ -125,7 +128,7 @@ class Recorder:
             elif last == start:
                 cont_kind[kind] += 1
             elif counting_first:
-                hists[kind].add(first_end - last)
+                hists[kind].add((first_end - last) * tau, 1.0 / tau)
             last_s[rid] = end
             tokens[rid] += k
             seq.num_tokens += k
@@ -141,7 +144,7 @@ class Recorder:
         if counting_first:
             for kind, n in enumerate(cont_kind):
                 if n:
-                    hists[kind].add(first, n)
+                    hists[kind].add(first * tau, n / tau)
         if k > 1:
             c = engine.profile.decode.per_ctx_token_s * span.batch
             points = range(1, k) if k - 1 <= ITL_SPAN_SAMPLES else \
@@ -152,7 +155,7 @@ class Recorder:
                     gap = first + c * j
                     for kind, n in enumerate(per_kind):
                         if n:
-                            hists[kind].add(gap, n * share)
+                            hists[kind].add(gap * tau, n * share / tau)
         return done
 
     def finish(self, rid: int, t: float) -> None:

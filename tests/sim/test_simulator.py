@@ -103,6 +103,21 @@ def test_a_prompt_whose_last_step_is_one_token_gets_its_first_token_from_it(mode
         assert cluster.cache.hit_tokens == 16 * 5
 
 
+def test_tokens_per_event_groups_token_gaps_into_event_gaps():
+    """Speculative decoding delivers ~τ tokens an event: the same token timeline, read as events —
+    ITL τ times the token gap, τ times fewer of them; TTFT, TPOT and throughput untouched."""
+    reqs = _requests(n=30, rate=2.0)
+    one = simulate(PROFILE, ClusterConfig(), [replace(r) for r in reqs])
+    two = simulate(replace(PROFILE, tokens_per_event=2.0), ClusterConfig(), [replace(r) for r in reqs])
+    for q in ("p50", "p90"):
+        assert two["itl_ms"][q] == pytest.approx(2 * one["itl_ms"][q], rel=0.01)
+        assert two["ttft_ms"][q] == one["ttft_ms"][q] and two["tpot_ms"][q] == one["tpot_ms"][q]
+    assert two["itl_ms"]["n"] == pytest.approx(one["itl_ms"]["n"] / 2, rel=0.01)
+    assert two["request_throughput"] == one["request_throughput"]
+    with pytest.raises(ValueError, match="tokens_per_event"):
+        replace(PROFILE, tokens_per_event=0.5)
+
+
 def test_closed_loop_interference_and_itl_window():
     from services.bench.workloads import Workload
 
@@ -139,6 +154,9 @@ def test_profile_file_round_trip_and_validation(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(PROFILE.to_json()))
     assert load_profile(path) == PROFILE
+    spec = replace(PROFILE, tokens_per_event=1.9)
+    path.write_text(json.dumps(spec.to_json()))
+    assert load_profile(path) == spec
     bad = PROFILE.to_json()
     bad["decode"]["fit"]["per_seq_s"] = -1
     with pytest.raises(ValueError, match="per_seq_s"):
