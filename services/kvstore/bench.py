@@ -27,11 +27,11 @@ import time
 import uuid
 import zlib
 
-import nats
 import numpy as np
 import torch
 
 from shared.kvcache.block_hash import block_keys
+from shared.transport import nats_bus
 from shared.transport.kv_client import KVStoreClient, KVStoreError
 from shared.transport.servers import start_nats, start_valkey
 
@@ -87,7 +87,7 @@ async def _bench(args, nats_url: str, store: str, proc: subprocess.Popen | None)
           f"memcpy {1e3 * copy_s:.1f} ms ({nbytes / copy_s / 2**30:.2f} GiB/s), "
           f"crc32 {1e3 * crc_s:.1f} ms ({nbytes / crc_s / 2**30:.2f} GiB/s)")
     results = {"blocks": args.blocks, "bytes": nbytes, "memcpy_s": copy_s, "crc32_s": crc_s, "paths": {}}
-    nc = await nats.connect(nats_url.split(","))
+    nc = await nats_bus.connect(nats_url, "kvstore-bench")
     try:
         for use_shm in (path == "shm" for path in args.paths.split(",")):
             client = await _wait_attached(nc, store, use_shm, proc)

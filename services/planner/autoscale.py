@@ -63,7 +63,7 @@ class AutoscaleConfig:
             raise ValueError("autoscale: need 0 < low_water < 1 and positive SLOs")
 
     def describe(self) -> str:
-        pools = (f"{'engine workers' if self.colocated else 'decode'} {self.min_decode}–{self.max_decode}" if self.colocated
+        pools = (f"engine workers {self.min_decode}–{self.max_decode}" if self.colocated
                  else f"prefill {self.min_prefill}–{self.max_prefill}, decode {self.min_decode}–{self.max_decode}")
         return (f"autoscaling: {pools}, {self.budget} processes at most, a decision every {self.interval_s:g} s "
                 f"(SLOs: TTFT p90 {self.slo_ttft_p90_s * 1e3:g} ms, ITL p90 {self.slo_itl_p90_s * 1e3:g} ms)")

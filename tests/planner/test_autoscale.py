@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.planner.autoscale import (
-    AutoscaleConfig, Autoscaler, MetricsWatcher, Observation, histogram_p90, parse_prometheus,
+    AutoscaleConfig, Autoscaler, LiveAutoscaler, MetricsWatcher, Observation, histogram_p90, parse_prometheus,
 )
 
 PREFILL_RATE, DECODE_RATE = 1.0, 1.5  # requests/s one worker of each pool serves
@@ -163,25 +163,27 @@ def test_metrics_watcher_reads_interval_percentiles_from_the_gateway_text():
     assert parse_prometheus('a_b{x="1"} 2.5\nbad line') == [("a_b", {"x": "1"}, 2.5)]
 
 
+class SpawnOnly:
+    """An actuator for tests that expect workers added and none removed: records the kinds spawned."""
+
+    def __init__(self):
+        self.spawned = []
+
+    def spawn(self, kind):
+        self.spawned.append(kind)
+        return f"{kind}-{len(self.spawned)}"
+
+    def drain(self, kind, name):
+        raise AssertionError("no drain expected")
+
+    def exited(self, name):
+        return False
+
+
 def test_colocated_has_one_pool_judged_by_ttft_and_itl():
     config = AutoscaleConfig(min_prefill=0, max_prefill=0, min_decode=1, max_decode=3, budget=3, interval_s=1.0,
                              colocated=True)
-
-    class Hands:
-        def __init__(self):
-            self.spawned = []
-
-        def spawn(self, kind):
-            self.spawned.append(kind)
-            return f"colocated-{len(self.spawned)}"
-
-        def drain(self, kind, name):
-            raise AssertionError("no drain expected")
-
-        def exited(self, name):
-            return False
-
-    hands = Hands()
+    hands = SpawnOnly()
     scaler = Autoscaler(config, hands, {"decode": ["colocated-0"]})
     slow_first_token = Observation(requests=10, ttft_p90_s=5.0, itl_p90_s=0.05, prefill_waiting=0, decode_waiting=0)
     for _ in range(config.up_after):
@@ -203,23 +205,7 @@ def test_live_loop_takes_a_baseline_then_decides_once_per_interval_and_skips_fai
                 raise OSError("connection refused")
             return hot
 
-    class Hands:
-        def __init__(self):
-            self.spawned = []
-
-        def spawn(self, kind):
-            self.spawned.append(kind)
-            return f"{kind}-{len(self.spawned)}"
-
-        def drain(self, kind, name):
-            pass
-
-        def exited(self, name):
-            return True
-
-    from services.planner.autoscale import LiveAutoscaler
-
-    watcher, hands = Watcher(), Hands()
+    watcher, hands = Watcher(), SpawnOnly()
     config = AutoscaleConfig(interval_s=5.0, up_after=2, cooldown=0)
     live = LiveAutoscaler(config, "http://gw", hands, {"prefill": ["prefill-0"], "decode": ["decode-0"]},
                           watcher=watcher, clock=lambda: clock[0])

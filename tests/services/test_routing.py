@@ -165,12 +165,15 @@ def prompt(doc: int, n: int) -> list[int]:
     return [1000 + doc] * n
 
 
-def test_cache_aware_goes_to_the_holder_and_spills_over_when_it_is_hot():
-    fleet = Fleet("colocated", ["w0", "w1"])
-    index = PrefixIndex()
-    p = prompt(1, 40 * BS)
+def held_by_w1(doc: int, blocks: int) -> tuple[Fleet, list[int], Router]:
+    """Two colocated workers, w0 and w1; a prompt of `blocks` blocks whose KV w1's engine holds."""
+    fleet, index, p = Fleet("colocated", ["w0", "w1"]), PrefixIndex(), prompt(doc, blocks * BS)
     index.apply(ev("worker.w1", 1, keys(p)))
-    router = make_router(fleet, index, mode="colocated")
+    return fleet, p, make_router(fleet, index, mode="colocated")
+
+
+def test_cache_aware_goes_to_the_holder_and_spills_over_when_it_is_hot():
+    fleet, p, router = held_by_w1(1, 40)
     r = router.route(p)
     assert (r.target, r.reason, r.subject) == ("w1", "cache", subjects.worker_jobs(subjects.PREFILL_JOBS, "w1"))
     assert r.cached_tokens == 39 * BS  # the block holding the last token is computed (a worker computes ≥ 1 token)
@@ -225,11 +228,7 @@ def test_a_prefill_worker_counts_its_host_store_as_its_cache():
 
 
 def test_a_draining_worker_gets_no_jobs_even_for_its_cache():
-    fleet = Fleet("colocated", ["w0", "w1"])
-    index = PrefixIndex()
-    p = prompt(6, 20 * BS)
-    index.apply(ev("worker.w1", 1, keys(p)))
-    router = make_router(fleet, index, mode="colocated")
+    fleet, p, router = held_by_w1(6, 20)
     assert router.route(p).target == "w1"
     fleet.stats["w1"].draining = True  # the autoscaler is removing it (or `up` is stopping)
     assert {router.route(p).target for _ in range(4)} == {"w0"}
