@@ -291,11 +291,17 @@ def test_kvstore_killed_under_load_output_identical_to_undisturbed(stack):
     results, counts, serving_s, ended_s = kill_under_streams(stack, "kvstore", prompts, 16)
     for i, outcome in results.items():
         assert outcome.kind == "completed" and outcome.text == expected[i], (i, outcome)
-    after = undisturbed(stack.url, prompts, 16)  # through the restarted store
-    assert after == expected
+    # later requests: identical whether the store is still restarting (decode recomputes) or back; asked
+    # again until a worker has re-attached to the restarted store (a loaded machine restarts it slowly)
+    deadline = time.monotonic() + SERVING_BOUND_S
+    while True:
+        assert undisturbed(stack.url, prompts, 16) == expected
+        workdir_logs = "".join(p.read_text(errors="replace") for p in stack.workdir.glob("*-[0-9].log"))
+        if "re-attached to its new segment" in workdir_logs:
+            break
+        assert time.monotonic() < deadline, "no worker re-attached to the restarted kvstore"
+        time.sleep(0.5)
     leaks = wait_no_blocks_in_use(stack.url, 40)
-    workdir_logs = "".join(p.read_text(errors="replace") for p in stack.workdir.glob("*-[0-9].log"))
-    assert "re-attached to its new segment" in workdir_logs
     print(f"\n| SIGKILL kvstore | {len(prompts)} streams: {counts['completed']} completed identically / 0 errored / "
           f"0 hung (all ended {ended_s:.1f} s after the kill); later requests identical too | serving again "
           f"{serving_s:.1f} s after the kill | blocks in use afterwards {sum(leaks.values()):.0f} |")
