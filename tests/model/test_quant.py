@@ -55,15 +55,41 @@ def test_matmul_matches_the_dequantized_weights(ggml_type, k):
 @pytest.mark.parametrize("ggml_type", [Q4_1, Q8_0, F32])
 def test_rows_are_computed_alike_in_any_batch(ggml_type):
     """Batch invariance: a row's output is bit for bit the same alone, in a batch of any size, at any
-    position of it (tiles of 4 rows, the rest one at a time)."""
-    w = weights(33, 576, seed=3)
+    position of it (tiles of 4 rows, the rest one at a time; Q4_1 batches of 16+ rows on AMX where
+    the machine has it, single rows never)."""
+    w = weights(40, 576, seed=3)
     t = QuantTensor.dense(torch.from_numpy(w)) if ggml_type == F32 else file_blocks(w, ggml_type)
     layer = QuantLinear(t)
-    x = torch.randn(11, 576)
+    x = torch.randn(37, 576)
     whole = layer(x)
-    for i in range(11):
+    for i in range(37):
         assert torch.equal(layer(x[i:i + 1])[0], whole[i])
     assert torch.equal(layer(x[3:10]), whole[3:10])
+    assert torch.equal(layer(x[5:26]), whole[5:26])
+
+
+needs_amx = pytest.mark.skipif(cpu_ext.load() is None or not cpu_ext.load().amx_available(),
+                               reason="this CPU (or its OS) does not offer AMX")
+
+
+@needs_amx
+@pytest.mark.parametrize("k", [64, 96, 576, 1536])
+def test_amx_gives_the_vnni_numbers_bit_for_bit(k):
+    """Q4_1 on the tile unit (AMX) sums each block exactly and scales it in the same order as the
+    VNNI tiles do, so turning AMX off changes no bit, for any row count and column range."""
+    ext = cpu_ext.load()
+    w = weights(200, k, seed=k)  # 200 columns: 12 groups of 16 and a partial one
+    layer = QuantLinear(file_blocks(w, Q4_1))
+    try:
+        for m in (16, 17, 40, 64, 130):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+            ext.set_amx(True)
+            on = layer(x)
+            ext.set_amx(False)
+            off = layer(x)
+            assert torch.equal(on, off), (m, (on - off).abs().max())
+    finally:
+        ext.set_amx(True)
 
 
 @needs_ext

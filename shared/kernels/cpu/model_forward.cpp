@@ -577,6 +577,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("tensor", [](const Weight& w) { return w.tensor; });
   m.def("matmul", &matmul, "x [M, K] fp32 @ weight^T -> [M, N] fp32", py::call_guard<py::gil_scoped_release>());
   m.def("embed", &embed, "rows of a weight, dequantized to fp32");
+  m.def("amx_available", &amx_available, "whether the CPU and the OS allow AMX (and PDSERVE_AMX is not 0)");
+  m.def("amx_enabled", &amx_enabled, "whether Q4_1 calls of several rows use AMX now");
+  m.def("set_amx", &set_amx, "turn AMX off (or back on where available); the numbers do not change");
   py::class_<DecodeModel>(m, "DecodeModel")
       .def(py::init<int64_t, int64_t, int64_t, double, std::vector<Weight>, std::vector<torch::Tensor>, Weight, Weight,
                     torch::Tensor, torch::Tensor, torch::Tensor>())

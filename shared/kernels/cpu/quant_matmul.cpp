@@ -1,12 +1,24 @@
 // See quant_matmul.h. Written against simd.h: AVX-512 (F/BW/VL + VNNI) or AVX2 (+ FMA, F16C).
 #include "quant_matmul.h"
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
 #include "simd.h"
+
+#if PDSERVE_AVX512 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define PDSERVE_AMX 1
+#else
+#define PDSERVE_AMX 0
+#endif
 
 namespace pdserve {
 
@@ -61,78 +73,136 @@ void tile_f32(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, 
 
 // ----------------------------------------------------------------------------------------- Q4_1
 
-template <int MT, int NT>
-void tile_q4_1(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t m, int64_t n) {
-  const int64_t nb = w.nb, nquad = nb / 4;
-  const bool pair_tail = nb % 4 != 0;
-  const uint8_t* qs[NT];
-  const uint16_t *ds[NT], *ms[NT];
-  for (int j = 0; j < NT; j++) {
-    qs[j] = w.data + (n + j) * w.row_bytes;
-    ds[j] = reinterpret_cast<const uint16_t*>(qs[j] + nb * 16);
-    ms[j] = ds[j] + nb;
-  }
-  const int64_t xrow = nb * 32, srow = nb * kLanesQ4;
-  prefetch_rows(w, n + kPrefetchTiles * NT, NT);
-  vf acc[MT][NT];
-  for (int i = 0; i < MT; i++)
-    for (int j = 0; j < NT; j++) acc[i][j] = zero();
-  for (int64_t q = 0; q < nquad; q++) {
-    vb lo[NT], hi[NT];
-    vf dv[NT];
-    for (int j = 0; j < NT; j++) {
-      const vb c = load_b(qs[j] + q * 64);
+int64_t quads(int64_t nb) { return (nb + 3) / 4; }
+int64_t padded_rows(int64_t M) { return (M + 15) / 16 * 16; }
+
+// 4 vectors of 4 blocks x 4 partial sums (lane = block * 4 + partial), one per column -> one vector
+// of the blocks' sums, lane = block * 4 + column. Exact (integers).
+inline vi block_sums(const vi iv[4]) {
+  const vi s01 = add_i(unpacklo32(iv[0], iv[1]), unpackhi32(iv[0], iv[1]));  // c0 p02, c1 p02, c0 p13, c1 p13
+  const vi s23 = add_i(unpacklo32(iv[2], iv[3]), unpackhi32(iv[2], iv[3]));
+  return add_i(unpacklo64(s01, s23), unpackhi64(s01, s23));
+}
+
+// y = (acc[0] + acc[1]) + (acc[2] + acc[3]) for the 4 columns of a lane = block * 4 + column vector
+inline void store_4cols(vf acc, float* y, int ncols) {
+  alignas(64) float a[16];
+  store(a, acc);
+  for (int j = 0; j < ncols; j++) y[j] = (a[j] + a[4 + j]) + (a[8 + j] + a[12 + j]);
+}
+
+// MT rows x 4 columns [n, n + 4), n % 4 == 0, of which the first ncols are stored (columns past
+// w.n are computed from the last one)
+template <int MT>
+void tile_q4_1(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t m, int64_t n, int ncols) {
+  const int64_t nb = w.nb, nquad = nb / 4, nq = quads(nb);
+  const uint8_t* qs[4];
+  for (int j = 0; j < 4; j++) qs[j] = w.data + std::min(n + j, w.n - 1) * w.row_bytes;
+  const uint16_t* dm = w.dm4->data() + n / 4 * nq * 32;
+  const int64_t xrow = nb * 32, srow = nq * 16;
+  prefetch_rows(w, n + kPrefetchTiles * 4, 4);
+  vf acc[MT];
+  for (int i = 0; i < MT; i++) acc[i] = zero();
+  for (int64_t q = 0; q < nq; q++) {
+    const bool pair = q == nquad;  // a last group of 2 blocks: 32 bytes, the upper lanes zero
+    vb lo[4], hi[4];
+    for (int j = 0; j < 4; j++) {
+      const vb c = pair ? load_b32(qs[j] + q * 64) : load_b(qs[j] + q * 64);
       lo[j] = lo_nibbles(c);
       hi[j] = hi_nibbles(c);
-      dv[j] = bcast4x4(ds[j] + q * 4);
     }
+    const vf dv = load_f16(dm + q * 32), mv = load_f16(dm + q * 32 + 16);
     for (int i = 0; i < MT; i++) {
       const int8_t* x1 = px.d1.data() + (m + i) * xrow + q * 128;
       const int8_t* x2 = px.d2.data() + (m + i) * xrow + q * 128;
-      const vb x1lo = load_b(x1), x1hi = load_b(x1 + 64), x2lo = load_b(x2), x2hi = load_b(x2 + 64);
-      const vf s2 = load(px.s2.data() + (m + i) * srow + q * 16);
-      for (int j = 0; j < NT; j++) {
-        const vi i1 = dot_u4x2(lo[j], x1lo, hi[j], x1hi);
-        const vi i2 = dot_u4x2(lo[j], x2lo, hi[j], x2hi);
-        const vi iv = add_i(shl8(i1), i2);  // sum q * (256 x1 + x2)
-        acc[i][j] = fmadd(mul(cvt_f(iv), s2), dv[j], acc[i][j]);
-      }
+      const int64_t half = pair ? 32 : 64;
+      const vb x1lo = pair ? load_b32(x1) : load_b(x1), x1hi = pair ? load_b32(x1 + half) : load_b(x1 + half);
+      const vb x2lo = pair ? load_b32(x2) : load_b(x2), x2hi = pair ? load_b32(x2 + half) : load_b(x2 + half);
+      vi iv[4];
+      for (int j = 0; j < 4; j++)  // sum q * (256 x1 + x2), 8 products a lane
+        iv[j] = add_i(shl8(dot_u4x2(lo[j], x1lo, hi[j], x1hi)), dot_u4x2(lo[j], x2lo, hi[j], x2hi));
+      const int64_t at = (m + i) * srow + q * 16;
+      acc[i] = fmadd(mul(cvt_f(block_sums(iv)), load(px.s2.data() + at)), dv, acc[i]);
+      acc[i] = fmadd(mv, load(px.xs4.data() + at), acc[i]);
     }
   }
-  __m256 acc2[MT][NT];
-  for (int i = 0; i < MT; i++)
-    for (int j = 0; j < NT; j++) acc2[i][j] = _mm256_setzero_ps();
-  if (pair_tail) {
-    const int64_t b0 = nquad * 4;
-    const __m256i nib2 = _mm256_set1_epi8(0x0F);
-    for (int j = 0; j < NT; j++) {
-      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs[j] + b0 * 16));
-      const __m256i lo2 = _mm256_and_si256(c, nib2), hi2 = _mm256_and_si256(_mm256_srli_epi16(c, 4), nib2);
-      const __m256 dv2 = bcast2x4(ds[j] + b0);
-      for (int i = 0; i < MT; i++) {
-        const __m256i* x1 = reinterpret_cast<const __m256i*>(px.d1.data() + (m + i) * xrow + b0 * 32);
-        const __m256i* x2 = reinterpret_cast<const __m256i*>(px.d2.data() + (m + i) * xrow + b0 * 32);
-        const __m256i i1 = dpbusd8(dpbusd8(_mm256_setzero_si256(), lo2, _mm256_loadu_si256(x1)), hi2, _mm256_loadu_si256(x1 + 1));
-        const __m256i i2 = dpbusd8(dpbusd8(_mm256_setzero_si256(), lo2, _mm256_loadu_si256(x2)), hi2, _mm256_loadu_si256(x2 + 1));
-        const __m256i iv = _mm256_add_epi32(_mm256_slli_epi32(i1, 8), i2);
-        const __m256 s2 = _mm256_loadu_ps(px.s2.data() + (m + i) * srow + b0 * kLanesQ4);
-        acc2[i][j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(iv), s2), dv2, acc2[i][j]);
-      }
-    }
-  }
-  // + sum_b m_b * xs_b, 16 blocks at a time, the rest one by one (in registers: a zero-padded copy
-  // read back as a vector stalls store forwarding, which cost a fifth of the AVX2 step)
-  for (int j = 0; j < NT; j++)
-    for (int i = 0; i < MT; i++) {
-      const float* xs = px.xs.data() + (m + i) * nb;
-      vf macc = zero();
-      int64_t b = 0;
-      for (; b + 16 <= nb; b += 16) macc = fmadd(load_f16(ms[j] + b), load(xs + b), macc);
-      float tail = 0.0f;
-      for (; b < nb; b++) tail = std::fma(_cvtsh_ss(ms[j][b]), xs[b], tail);
-      y[(m + i) * ldy + n + j] = reduce_add(acc[i][j]) + hsum8(acc2[i][j]) + (reduce_add(macc) + tail);
-    }
+  for (int i = 0; i < MT; i++) store_4cols(acc[i], y + (m + i) * ldy + n, ncols);
 }
+
+// Where row m's digit-1 values of block b go in PreparedX::a12 (digit 2: 1,024 bytes on): one
+// A tile (16 rows x a pair of blocks, 64 bytes a row) is 1,024 contiguous bytes.
+inline int64_t amx_a_offset(int64_t m, int64_t b, int64_t nb) { return (m / 16 * nb + b / 2 * 2) * 1024 + m % 16 * 64 + b % 2 * 32; }
+
+#if PDSERVE_AMX
+// Tiles: 0 and 1 the two digits of 16 rows x one block (A, K = 32), 2 and 3 a block's codes of 16
+// columns (B), 4-7 the integer sums (C) of digit 1 and 2. Even blocks use B 2 and C 4/5, odd ones
+// B 3 and C 6/7, so that one block's products need not wait for the last block's sums to be
+// stored. Loaded on each call: other code on the thread may use AMX too.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {32, 32, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 8, 8, 16, 16, 16, 16};
+};
+
+#define PDSERVE_AMX_BLOCK(B, C1, C2, b)                             \
+  do {                                                               \
+    const int8_t* at = a + (b) / 2 * 2048 + (b) % 2 * 32;            \
+    _tile_loadd(0, at, 64);                                          \
+    _tile_loadd(1, at + 1024, 64);                                   \
+    _tile_loadd(B, codes + (b) * 512, 64);                           \
+    _tile_zero(C1);                                                  \
+    _tile_zero(C2);                                                  \
+    _tile_dpbsud(C1, 0, B);                                          \
+    _tile_dpbsud(C2, 1, B);                                          \
+    _tile_stored(C1, sums[(b) % 2][0], 64);                          \
+    _tile_stored(C2, sums[(b) % 2][1], 64);                          \
+  } while (0)
+
+// rows [m0, m1) x 16 columns [n, n + 16), n % 16 == 0: the order of the header, 16 columns a vector.
+// Block b's integer sums come from the tile unit while block b - 1's are scaled and accumulated.
+void amx_q4_1(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t n, int ncols, int64_t m0,
+              int64_t m1) {
+  static const TileConfig config;
+  _tile_loadconfig(&config);
+  const int64_t nb = w.nb, nreal = w.k / 32, srow = quads(nb) * 16;
+  const int8_t* codes = w.amx_codes->data() + n / 16 * nb * 512;
+  const float* dm = w.amx_dm->data() + n / 16 * nb * 32;
+  alignas(64) int32_t sums[2][2][256];
+  alignas(64) float acc[4][16][16];
+  // acc[b % 4] = fma(float(I_b) * s2_b, d_b, acc[b % 4]); acc[b % 4] = fma(m_b, xs_b, acc[b % 4])
+  auto scale = [&](int64_t r0, int64_t b) {
+    const vf dv = load(dm + b * 32), mv = load(dm + b * 32 + 16);
+    const float* s2 = px.s2.data() + r0 * srow + b * 4;
+    const float* xs = px.xs4.data() + r0 * srow + b * 4;
+    const int32_t* c1 = sums[b % 2][0];
+    const int32_t* c2 = sums[b % 2][1];
+    float* out = acc[b % 4][0];
+    for (int r = 0; r < 16; r++) {
+      const vi iv = add_i(shl8(load_i(c1 + r * 16)), load_i(c2 + r * 16));
+      vf v = fmadd(mul(cvt_f(iv), set1(s2[r * srow])), dv, load(out + r * 16));
+      store(out + r * 16, fmadd(mv, set1(xs[r * srow]), v));
+    }
+  };
+  for (int64_t r0 = m0; r0 < m1; r0 += 16) {  // rows past M are zeros in a12/s2/xs4 (padded to 16)
+    const int8_t* a = px.a12.data() + r0 / 16 * nb * 1024;
+    std::fill(acc[0][0], acc[0][0] + 4 * 256, 0.0f);
+    for (int64_t b = 0; b < nreal; b++) {
+      if (b % 2 == 0)
+        PDSERVE_AMX_BLOCK(2, 4, 5, b);
+      else
+        PDSERVE_AMX_BLOCK(3, 6, 7, b);
+      if (b > 0) scale(r0, b - 1);
+    }
+    scale(r0, nreal - 1);
+    const int rows = static_cast<int>(std::min<int64_t>(16, m1 - r0));
+    for (int r = 0; r < rows; r++)
+      for (int j = 0; j < ncols; j++)
+        y[(r0 + r) * ldy + n + j] = (acc[0][r][j] + acc[1][r][j]) + (acc[2][r][j] + acc[3][r][j]);
+  }
+}
+#undef PDSERVE_AMX_BLOCK
+#endif
 
 // ----------------------------------------------------------------------------------------- Q8_0
 
@@ -202,6 +272,28 @@ void tiles(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int
   }
 }
 
+// Q4_1: 16 columns at a time on AMX for calls of several rows, else tiles of 4 columns x kRowTile rows
+// (then 1); the same numbers either way (the header).
+constexpr int64_t kAmxMinRows = 16;
+constexpr int kRowTileQ4 = PDSERVE_AVX512 ? 4 : 1;  // AVX2's 16 registers hold one row's 4 columns
+void cols_q4_1(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t n0, int64_t n1, int64_t m0,
+               int64_t m1) {
+  if (n0 % 4 != 0) throw std::invalid_argument("Q4_1 column ranges start at a multiple of 4");
+#if PDSERVE_AMX
+  if (px.amx && w.amx_codes && n0 % 16 == 0 && m0 % 16 == 0 && m1 - m0 >= kAmxMinRows &&
+      amx_enabled()) {
+    for (int64_t n = n0; n < n1; n += 16)
+      amx_q4_1(w, px, y, ldy, n, static_cast<int>(std::min<int64_t>(16, n1 - n)), m0, m1);
+    return;
+  }
+#endif
+  int64_t m = m0;
+  for (; m + kRowTileQ4 <= m1; m += kRowTileQ4)
+    for (int64_t n = n0; n < n1; n += 4) tile_q4_1<kRowTileQ4>(w, px, y, ldy, m, n, static_cast<int>(std::min<int64_t>(4, n1 - n)));
+  for (; m < m1; m++)
+    for (int64_t n = n0; n < n1; n += 4) tile_q4_1<1>(w, px, y, ldy, m, n, static_cast<int>(std::min<int64_t>(4, n1 - n)));
+}
+
 }  // namespace
 
 int64_t weight_bytes(int type, int64_t n, int64_t k) {
@@ -215,6 +307,69 @@ int64_t weight_bytes(int type, int64_t n, int64_t k) {
   throw std::invalid_argument("unsupported weight type " + std::to_string(type));
 }
 
+namespace {
+
+// The OS must grant a process the AMX tile state (Linux: arch_prctl) before it may use it; a VM may
+// advertise AMX in cpuid and still not enable it in XCR0.
+bool amx_granted() {
+#if PDSERVE_AMX
+  const char* env = std::getenv("PDSERVE_AMX");
+  if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+  if (syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) != 0) return false;
+  uint32_t eax, edx;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return (eax & (3u << 17)) == (3u << 17);  // XTILECFG and XTILEDATA
+#else
+  return false;
+#endif
+}
+
+std::atomic<bool> g_amx_on{amx_available()};
+
+void pack_q4_1(QuantWeight& w) {
+  const int64_t nb = w.nb, nq = quads(nb);
+  auto dm4 = std::make_shared<std::vector<uint16_t>>((w.n + 3) / 4 * nq * 32, 0);
+  for (int64_t c = 0; c < w.n; c++) {
+    const uint16_t* d = reinterpret_cast<const uint16_t*>(w.data + c * w.row_bytes + nb * 16);
+    for (int64_t b = 0; b < nb; b++) {
+      uint16_t* at = dm4->data() + (c / 4 * nq + b / 4) * 32 + b % 4 * 4 + c % 4;
+      at[0] = d[b];
+      at[16] = d[nb + b];
+    }
+  }
+  w.dm4 = std::move(dm4);
+  if (!amx_available()) return;
+  const int64_t groups = (w.n + 15) / 16;
+  auto codes = std::make_shared<avector<int8_t>>(groups * nb * 512, 0);
+  auto dm = std::make_shared<std::vector<float>>(groups * nb * 32, 0.0f);
+  for (int64_t c = 0; c < w.n; c++) {
+    const uint8_t* qs = w.data + c * w.row_bytes;
+    const uint16_t* d = reinterpret_cast<const uint16_t*>(qs + nb * 16);
+    for (int64_t b = 0; b < nb; b++) {
+      int8_t* tile = codes->data() + (c / 16 * nb + b) * 512;
+      for (int kk = 0; kk < 32; kk++) {  // B[k / 4][column * 4 + k % 4] = code k of the block
+        const uint8_t byte = qs[b * 16 + kk % 16];
+        tile[kk / 4 * 64 + c % 16 * 4 + kk % 4] = static_cast<int8_t>(kk < 16 ? byte & 15 : byte >> 4);
+      }
+      float* f = dm->data() + (c / 16 * nb + b) * 32;
+      f[c % 16] = _cvtsh_ss(d[b]);
+      f[16 + c % 16] = _cvtsh_ss(d[nb + b]);
+    }
+  }
+  w.amx_codes = std::move(codes);
+  w.amx_dm = std::move(dm);
+}
+
+}  // namespace
+
+bool amx_available() {
+  static const bool granted = amx_granted();
+  return granted;
+}
+bool amx_enabled() { return g_amx_on.load(std::memory_order_relaxed); }
+void set_amx(bool on) { g_amx_on.store(on && amx_available()); }
+
 QuantWeight make_weight(const void* data, int type, int64_t n, int64_t k) {
   QuantWeight w;
   w.data = static_cast<const uint8_t*>(data);
@@ -223,6 +378,7 @@ QuantWeight make_weight(const void* data, int type, int64_t n, int64_t k) {
   w.k = k;
   w.nb = padded_blocks(k);
   w.row_bytes = weight_bytes(type, 1, k);
+  if (type == kQ4_1) pack_q4_1(w);
   return w;
 }
 
@@ -234,23 +390,45 @@ void prepare_resize(PreparedX& p, int type, int64_t M, int64_t k, const float* x
   p.x = x;
   p.ldx = ldx;
   if (type == kF32) return;
-  const int lanes = type == kQ4_1 ? kLanesQ4 : kLanesQ8;
   p.d1.resize(M * p.nb * 32);
   p.d2.resize(M * p.nb * 32);
-  p.s2.resize(M * p.nb * lanes);
-  if (type == kQ4_1) p.xs.resize(M * p.nb);
-  if (type == kQ8_0 && kQ8Biased) p.c1.resize(M * p.nb * lanes);
+  if (type == kQ8_0) {
+    p.s2.resize(M * p.nb * kLanesQ8);
+    if (kQ8Biased) p.c1.resize(M * p.nb * kLanesQ8);
+    return;
+  }
+  // Q4_1: rows padded to 16 and blocks to a multiple of 4, with zeros (a zero block adds +0)
+  const int64_t Mp = padded_rows(M), srow = quads(p.nb) * 16;
+  p.s2.resize(Mp * srow);
+  p.xs4.resize(Mp * srow);
+  std::fill(p.s2.begin() + M * srow, p.s2.end(), 0.0f);
+  std::fill(p.xs4.begin() + M * srow, p.xs4.end(), 0.0f);
+  p.amx = amx_enabled() && M >= kAmxMinRows;
+  if (p.amx) {
+    p.a12.resize(Mp * p.nb * 64);
+    for (int64_t m = M; m < Mp; m++)
+      for (int64_t b = 0; b < p.nb; b += 2) {
+        int8_t* at = p.a12.data() + amx_a_offset(m, b, p.nb);
+        std::fill(at, at + 64, 0);
+        std::fill(at + 1024, at + 1024 + 64, 0);
+      }
+  }
 }
 
 void prepare_rows(PreparedX& p, int64_t m0, int64_t m1) {
   if (p.type == kF32) return;
   const int64_t nb = p.nb, nreal = p.k / 32, nquad = nb / 4;
   const int lanes = p.type == kQ4_1 ? kLanesQ4 : kLanesQ8;
+  const int64_t srow = p.type == kQ4_1 ? quads(nb) * 16 : nb * lanes;
   for (int64_t m = m0; m < m1; m++) {
     const float* x = p.x + m * p.ldx;
     int8_t* d1 = p.d1.data() + m * nb * 32;
     int8_t* d2 = p.d2.data() + m * nb * 32;
-    float* s2v = p.s2.data() + m * nb * lanes;
+    float* s2v = p.s2.data() + m * srow;
+    if (p.type == kQ4_1) {  // the blocks past nb, up to a multiple of 4
+      std::fill(s2v + nb * lanes, s2v + srow, 0.0f);
+      std::fill(p.xs4.data() + m * srow + nb * lanes, p.xs4.data() + (m + 1) * srow, 0.0f);
+    }
     for (int64_t b = 0; b < nb; b++) {
       alignas(64) int8_t q1[32], q2[32];
       float s2 = 0.0f, xs = 0.0f;
@@ -283,7 +461,12 @@ void prepare_rows(PreparedX& p, int64_t m0, int64_t m1) {
       }
       for (int l = 0; l < lanes; l++) s2v[b * lanes + l] = s2;
       if (p.type == kQ4_1) {
-        p.xs[m * nb + b] = xs;
+        for (int l = 0; l < lanes; l++) p.xs4[m * srow + b * lanes + l] = xs;
+        if (p.amx) {
+          int8_t* at = p.a12.data() + amx_a_offset(m, b, nb);
+          std::copy(q1, q1 + 32, at);
+          std::copy(q2, q2 + 32, at + 1024);
+        }
         // group of g blocks starting at g0: [x[0:16] of each | x[16:32] of each]
         const int64_t g0 = b < nquad * 4 ? b / 4 * 4 : nquad * 4, g = b < nquad * 4 ? 4 : 2, at = b - g0;
         for (int h = 0; h < 2; h++) {
@@ -309,7 +492,7 @@ void matmul_cols(const QuantWeight& w, const PreparedX& px, float* y, int64_t ld
   if (m1 < 0) m1 = px.M;
   switch (w.type) {
     case kQ4_1:
-      return tiles<tile_q4_1<kRowTile, 1>, tile_q4_1<kRowTile, 2>, tile_q4_1<1, 4>, tile_q4_1<1, 2>, tile_q4_1<1, 1>>(w, px, y, ldy, n0, n1, m0, m1);
+      return cols_q4_1(w, px, y, ldy, n0, n1, m0, m1);
     case kQ8_0:
       return tiles<tile_q8_0<kRowTile, 1>, tile_q8_0<kRowTile, 2>, tile_q8_0<1, 4>, tile_q8_0<1, 2>, tile_q8_0<1, 1>>(w, px, y, ldy, n0, n1, m0, m1);
     case kF32:

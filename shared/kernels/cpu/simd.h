@@ -100,6 +100,13 @@ inline int32_t reduce_add_i(vi a) { return _mm512_reduce_add_epi32(a.v); }
 inline void store_i8(int8_t* p, vi a) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(a.v)); }
 
 inline vb load_b(const void* p) { return {_mm512_loadu_si512(p)}; }
+// 32 bytes into the low half, zeros above
+inline vb load_b32(const void* p) { return {_mm512_zextsi256_si512(_mm256_loadu_si256(static_cast<const __m256i*>(p)))}; }
+// per 128-bit chunk, as _mm_unpack{lo,hi}_epi{32,64}
+inline vi unpacklo32(vi a, vi b) { return {_mm512_unpacklo_epi32(a.v, b.v)}; }
+inline vi unpackhi32(vi a, vi b) { return {_mm512_unpackhi_epi32(a.v, b.v)}; }
+inline vi unpacklo64(vi a, vi b) { return {_mm512_unpacklo_epi64(a.v, b.v)}; }
+inline vi unpackhi64(vi a, vi b) { return {_mm512_unpackhi_epi64(a.v, b.v)}; }
 inline vb lo_nibbles(vb a) { return {_mm512_and_si512(a.v, _mm512_set1_epi8(0x0F))}; }
 inline vb hi_nibbles(vb a) { return {_mm512_and_si512(_mm512_srli_epi16(a.v, 4), _mm512_set1_epi8(0x0F))}; }
 // per int32 lane: the sum of 4 products u * s plus 4 products v * t (u, v: u8 at most 15; s, t: s8)
@@ -243,6 +250,11 @@ inline vb load_b(const void* p) {
   const __m256i* q = static_cast<const __m256i*>(p);
   return {_mm256_loadu_si256(q), _mm256_loadu_si256(q + 1)};
 }
+inline vb load_b32(const void* p) { return {_mm256_loadu_si256(static_cast<const __m256i*>(p)), _mm256_setzero_si256()}; }
+inline vi unpacklo32(vi a, vi b) { return {_mm256_unpacklo_epi32(a.lo, b.lo), _mm256_unpacklo_epi32(a.hi, b.hi)}; }
+inline vi unpackhi32(vi a, vi b) { return {_mm256_unpackhi_epi32(a.lo, b.lo), _mm256_unpackhi_epi32(a.hi, b.hi)}; }
+inline vi unpacklo64(vi a, vi b) { return {_mm256_unpacklo_epi64(a.lo, b.lo), _mm256_unpacklo_epi64(a.hi, b.hi)}; }
+inline vi unpackhi64(vi a, vi b) { return {_mm256_unpackhi_epi64(a.lo, b.lo), _mm256_unpackhi_epi64(a.hi, b.hi)}; }
 inline vb lo_nibbles(vb a) {
   const __m256i m = _mm256_set1_epi8(0x0F);
   return {_mm256_and_si256(a.lo, m), _mm256_and_si256(a.hi, m)};
