@@ -74,6 +74,9 @@ void tile_f32(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, 
 // ----------------------------------------------------------------------------------------- Q4_1
 
 int64_t quads(int64_t nb) { return (nb + 3) / 4; }
+// QuantWeight::q4g, per 4 columns and 4 blocks: the columns' codes (64 bytes each; a last pair of
+// blocks: 32 and zeros), then d and m as fp16, lane = block * 4 + column
+constexpr int64_t kQuadBytes = 4 * 64 + 2 * 32;
 int64_t padded_rows(int64_t M) { return (M + 15) / 16 * 16; }
 
 // 4 vectors of 4 blocks x 4 partial sums (lane = block * 4 + partial), one per column -> one vector
@@ -92,26 +95,29 @@ inline void store_4cols(vf acc, float* y, int ncols) {
 }
 
 // MT rows x 4 columns [n, n + 4), n % 4 == 0, of which the first ncols are stored (columns past
-// w.n are computed from the last one)
+// w.n have zero weights). Reads the 4 columns' group of QuantWeight::q4g, one contiguous stream.
 template <int MT>
 void tile_q4_1(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t m, int64_t n, int ncols) {
   const int64_t nb = w.nb, nquad = nb / 4, nq = quads(nb);
-  const uint8_t* qs[4];
-  for (int j = 0; j < 4; j++) qs[j] = w.data + std::min(n + j, w.n - 1) * w.row_bytes;
-  const uint16_t* dm = w.dm4->data() + n / 4 * nq * 32;
+  const uint8_t* group = w.q4g->data() + n / 4 * nq * kQuadBytes;
   const int64_t xrow = nb * 32, srow = nq * 16;
-  prefetch_rows(w, n + kPrefetchTiles * 4, 4);
+  if (n + kPrefetchTiles * 4 < w.n) {  // the group a later tile reads, so that its misses overlap this work
+    const char* ahead = reinterpret_cast<const char*>(group + kPrefetchTiles * nq * kQuadBytes);
+    for (int64_t off = 0; off < nq * kQuadBytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+  }
   vf acc[MT];
   for (int i = 0; i < MT; i++) acc[i] = zero();
   for (int64_t q = 0; q < nq; q++) {
     const bool pair = q == nquad;  // a last group of 2 blocks: 32 bytes, the upper lanes zero
+    const uint8_t* quad = group + q * kQuadBytes;
     vb lo[4], hi[4];
     for (int j = 0; j < 4; j++) {
-      const vb c = pair ? load_b32(qs[j] + q * 64) : load_b(qs[j] + q * 64);
+      const vb c = load_b(quad + j * 64);
       lo[j] = lo_nibbles(c);
       hi[j] = hi_nibbles(c);
     }
-    const vf dv = load_f16(dm + q * 32), mv = load_f16(dm + q * 32 + 16);
+    const uint16_t* dm = reinterpret_cast<const uint16_t*>(quad + 256);
+    const vf dv = load_f16(dm), mv = load_f16(dm + 16);
     for (int i = 0; i < MT; i++) {
       const int8_t* x1 = px.d1.data() + (m + i) * xrow + q * 128;
       const int8_t* x2 = px.d2.data() + (m + i) * xrow + q * 128;
@@ -329,16 +335,22 @@ std::atomic<bool> g_amx_on{amx_available()};
 
 void pack_q4_1(QuantWeight& w) {
   const int64_t nb = w.nb, nq = quads(nb);
-  auto dm4 = std::make_shared<std::vector<uint16_t>>((w.n + 3) / 4 * nq * 32, 0);
+  auto q4g = std::make_shared<avector<uint8_t>>((w.n + 3) / 4 * nq * kQuadBytes, 0);
   for (int64_t c = 0; c < w.n; c++) {
-    const uint16_t* d = reinterpret_cast<const uint16_t*>(w.data + c * w.row_bytes + nb * 16);
-    for (int64_t b = 0; b < nb; b++) {
-      uint16_t* at = dm4->data() + (c / 4 * nq + b / 4) * 32 + b % 4 * 4 + c % 4;
-      at[0] = d[b];
-      at[16] = d[nb + b];
+    const uint8_t* row = w.data + c * w.row_bytes;
+    const uint16_t* d = reinterpret_cast<const uint16_t*>(row + nb * 16);
+    for (int64_t q = 0; q < nq; q++) {
+      uint8_t* quad = q4g->data() + (c / 4 * nq + q) * kQuadBytes;
+      const int64_t blocks = std::min<int64_t>(4, nb - q * 4);
+      std::copy(row + q * 64, row + q * 64 + blocks * 16, quad + c % 4 * 64);
+      uint16_t* dm = reinterpret_cast<uint16_t*>(quad + 256);
+      for (int64_t g = 0; g < blocks; g++) {
+        dm[g * 4 + c % 4] = d[q * 4 + g];
+        dm[16 + g * 4 + c % 4] = d[nb + q * 4 + g];
+      }
     }
   }
-  w.dm4 = std::move(dm4);
+  w.q4g = std::move(q4g);
   if (!amx_available()) return;
   const int64_t groups = (w.n + 15) / 16;
   auto codes = std::make_shared<avector<int8_t>>(groups * nb * 512, 0);

@@ -24,7 +24,8 @@
 //   acc[b % 4] = fma(float(I_b) * s2_b, d_b, acc[b % 4]);  acc[b % 4] = fma(m_b, xs_b, acc[b % 4])
 //   y = (acc[0] + acc[1]) + (acc[2] + acc[3])
 //
-// which VNNI computes 4 columns x 4 blocks to a vector (lane = block * 4 + column) and AMX 16
+// which VNNI computes 4 columns x 4 blocks to a vector (lane = block * 4 + column: the weights are
+// repacked per 4 columns so that a tile reads one contiguous stream) and AMX 16
 // columns to a vector, one block at a time (each block's integer sums from the tile unit). AMX is
 // used where the CPU and the OS allow it (PDSERVE_AMX=0 turns it off) for calls of several rows.
 #pragma once
@@ -61,7 +62,7 @@ struct QuantWeight {
   int64_t row_bytes = 0;
   int type = kF32;
   // Q4_1 only, made by make_weight from the rows (the same values, laid out for the kernels):
-  std::shared_ptr<const std::vector<uint16_t>> dm4;    // [n/4][quads][d | m][block * 4 + column] fp16
+  std::shared_ptr<const avector<uint8_t>> q4g;         // per 4 columns x 4 blocks: codes, d, m (quant_matmul.cpp)
   std::shared_ptr<const avector<int8_t>> amx_codes;  // [n/16][nb][8][64]: AMX B tiles of the codes
   std::shared_ptr<const std::vector<float>> amx_dm;      // [n/16][nb][d | m][16 columns]
 };
