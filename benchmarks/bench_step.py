@@ -1,18 +1,22 @@
 """Decode step time of the default engine at batch 1 and 8 (128-token prompts, 72 timed steps, best
 of 3), speculation off: a quick check of a kernel change, not a comparison (bench_model.py is).
+With --amx, every measure is taken with the tile unit on and off in turns (A B B A, best of each)
+and a cold prefill of 512 and 2,000 tokens is added: what AMX buys on this machine.
 
-    .venv/bin/python benchmarks/bench_step.py [--threads 2]
+    .venv/bin/python benchmarks/bench_step.py [--threads 2] [--amx]
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import time
 
 import torch
 
 from shared.config import EngineConfig, SpecConfig
 from shared.engine.engine import LLMEngine
+from shared.kernels import cpu_ext
 from shared.model.sampling import SamplingParams
 
 WARMUP = 8
@@ -31,15 +35,43 @@ def step_seconds(engine: LLMEngine, batch: int, tag: str) -> float:
     return (time.perf_counter() - t0) / (steps - WARMUP)
 
 
+def prefill_seconds(engine: LLMEngine, n: int, tag: str) -> float:
+    rng = random.Random(tag)
+    engine.pool.reset_prefix_cache()
+    engine.add_request(tag, [rng.randrange(100, 40000) for _ in range(n)], SamplingParams(temperature=0.0, max_tokens=1))
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--amx", action="store_true", help="each measure with AMX on and off, A B B A")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     engine = LLMEngine.from_config(EngineConfig(num_kv_blocks=512, speculative=SpecConfig(mode="off")))
-    for batch in (1, 8):
-        best = min(step_seconds(engine, batch, f"b{batch}-{rep}") for rep in range(3))
-        print(f"batch {batch}: step {best * 1e3:.2f} ms ({batch / best:.1f} tok/s)")
+    if not args.amx:
+        for batch in (1, 8):
+            best = min(step_seconds(engine, batch, f"b{batch}-{rep}") for rep in range(3))
+            print(f"batch {batch}: step {best * 1e3:.2f} ms ({batch / best:.1f} tok/s)")
+        return
+    ext = cpu_ext.load()
+    if ext is None or not ext.amx_available():
+        raise SystemExit("no AMX here (the CPU or the OS does not offer it, or PDSERVE_AMX=0)")
+    measures = [(f"decode batch {b}", b, lambda tag, b=b: step_seconds(engine, b, tag)) for b in (1, 8, 16, 32)]
+    measures += [(f"prefill {n}", n, lambda tag, n=n: prefill_seconds(engine, n, tag)) for n in (512, 2000)]
+    try:
+        for name, tokens, measure in measures:
+            best = {True: float("inf"), False: float("inf")}
+            for turn, on in enumerate((True, False, False, True)):
+                ext.set_amx(on)
+                best[on] = min(best[on], measure(f"{name}-{turn}"))
+            print(f"{name}: AMX {tokens / best[True]:.1f} tok/s, off {tokens / best[False]:.1f} tok/s "
+                  f"({best[False] / best[True]:.2f}x)", flush=True)
+    finally:
+        ext.set_amx(True)
 
 
 if __name__ == "__main__":

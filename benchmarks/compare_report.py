@@ -202,9 +202,10 @@ class Report:
                  f"{bw / 1e9:.1f} GB/s (the best read bandwidth measured in this run; lower readings are other "
                  "tenants'). Weight bytes: "
                  f"llama.cpp reads the GGUF's tensors as stored ({r['llama_weight_bytes'] / 1e6:.1f} MB, Q4_1 + the "
-                 "Q8_0 tied embedding/output head); pdserve at batch 1 reads its int8 projections + bf16 norms and the "
-                 f"bf16 tied embedding as the output head ({r['pdserve_weight_bytes_b1'] / 1e6:.1f} MB, "
-                 "bench_model.decode_weight_bytes). KV: 11,520 values/token × 2 bytes (bf16 / f16) × mean context.", "",
+                 f"Q8_0 tied embedding/output head); pdserve reads the same blocks ({r['pdserve_weight_bytes_b1'] / 1e6:.1f} MB, "
+                 "bench_model.decode_weight_bytes). KV: 11,520 values/token × 2 bytes (bf16 / f16) × mean context. "
+                 "pdserve speculates (suffix, its default), so a step can yield more than one token and its MBU here is "
+                 "an upper bound; bench_model.py measures MBU per step with speculation off.", "",
                  "| system | cores for decode | TPOT (ms) | **tok/s** | ÷ llama-server | weights + KV per step (MB) | "
                  "**MBU** |", "|---|---|---|---|---|---|---|")
         llama_tok = _med(e["tok_s"] for e in self.entries("llama", "decode_b1"))
