@@ -73,13 +73,14 @@ needs_amx = pytest.mark.skipif(cpu_ext.load() is None or not cpu_ext.load().amx_
 
 
 @needs_amx
+@pytest.mark.parametrize("ggml_type", [Q4_1, Q8_0])
 @pytest.mark.parametrize("k", [64, 96, 576, 1536])
-def test_amx_gives_the_vnni_numbers_bit_for_bit(k):
-    """Q4_1 on the tile unit (AMX) sums each block exactly and scales it in the same order as the
-    VNNI tiles do, so turning AMX off changes no bit, for any row count and column range."""
+def test_amx_gives_the_vnni_numbers_bit_for_bit(ggml_type, k):
+    """On the tile unit (AMX) each block is summed exactly and scaled in the same order as the VNNI
+    tiles do, so turning AMX off changes no bit, for any row count and column range."""
     ext = cpu_ext.load()
     w = weights(200, k, seed=k)  # 200 columns: 12 groups of 16 and a partial one
-    layer = QuantLinear(file_blocks(w, Q4_1))
+    layer = QuantLinear(file_blocks(w, ggml_type))
     try:
         for m in (16, 17, 40, 64, 130):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3

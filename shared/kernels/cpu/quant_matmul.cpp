@@ -29,8 +29,6 @@ using namespace simd;
 // Q4_1 codes are read 4 blocks (64 bytes) at a time, then a last pair (32 bytes); within a group of
 // g blocks the digits are laid out to match the nibbles:  [x[0:16] of each block | x[16:32] of each block].
 // Q8_0 codes are read 2 blocks (64 bytes) at a time; digits in natural order.
-constexpr int kLanesQ4 = 4;  // int32 lanes per block after the dot product (16 bytes of a block per half)
-constexpr int kLanesQ8 = 8;
 constexpr int64_t kPrefetchTiles = 2;  // how many tiles ahead a tile prefetches its weight rows
 
 int64_t padded_blocks(int64_t k) { return (k / 32 + 1) / 2 * 2; }
@@ -74,9 +72,18 @@ void tile_f32(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, 
 // ----------------------------------------------------------------------------------------- Q4_1
 
 int64_t quads(int64_t nb) { return (nb + 3) / 4; }
-// QuantWeight::q4g, per 4 columns and 4 blocks: the columns' codes (64 bytes each; a last pair of
-// blocks: 32 and zeros), then d and m as fp16, lane = block * 4 + column
-constexpr int64_t kQuadBytes = 4 * 64 + 2 * 32;
+// QuantWeight::groups, per 4 columns and 4 blocks ("quad"; a last pair of blocks is padded with
+// zeros): the columns' codes (Q4_1: 64 bytes each, Q8_0: 128), then d (and Q4_1's m) as fp16,
+// lane = block * 4 + column
+constexpr int64_t kQuadBytesQ4 = 4 * 64 + 2 * 32, kQuadBytesQ8 = 4 * 128 + 32;
+inline int64_t quad_bytes(int type) { return type == kQ4_1 ? kQuadBytesQ4 : kQuadBytesQ8; }
+
+// The group a later tile reads (kPrefetchTiles groups on), so that its misses overlap this tile's work
+inline void prefetch_group(const QuantWeight& w, const uint8_t* group, int64_t n, int64_t bytes) {
+  if (n + kPrefetchTiles * 4 >= w.n) return;
+  const char* ahead = reinterpret_cast<const char*>(group + kPrefetchTiles * bytes);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+}
 int64_t padded_rows(int64_t M) { return (M + 15) / 16 * 16; }
 
 // 4 vectors of 4 blocks x 4 partial sums (lane = block * 4 + partial), one per column -> one vector
@@ -95,21 +102,18 @@ inline void store_4cols(vf acc, float* y, int ncols) {
 }
 
 // MT rows x 4 columns [n, n + 4), n % 4 == 0, of which the first ncols are stored (columns past
-// w.n have zero weights). Reads the 4 columns' group of QuantWeight::q4g, one contiguous stream.
+// w.n have zero weights). Reads the 4 columns' group of QuantWeight::groups, one contiguous stream.
 template <int MT>
 void tile_q4_1(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t m, int64_t n, int ncols) {
   const int64_t nb = w.nb, nquad = nb / 4, nq = quads(nb);
-  const uint8_t* group = w.q4g->data() + n / 4 * nq * kQuadBytes;
+  const uint8_t* group = w.groups->data() + n / 4 * nq * kQuadBytesQ4;
   const int64_t xrow = nb * 32, srow = nq * 16;
-  if (n + kPrefetchTiles * 4 < w.n) {  // the group a later tile reads, so that its misses overlap this work
-    const char* ahead = reinterpret_cast<const char*>(group + kPrefetchTiles * nq * kQuadBytes);
-    for (int64_t off = 0; off < nq * kQuadBytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
-  }
+  prefetch_group(w, group, n, nq * kQuadBytesQ4);
   vf acc[MT];
   for (int i = 0; i < MT; i++) acc[i] = zero();
   for (int64_t q = 0; q < nq; q++) {
     const bool pair = q == nquad;  // a last group of 2 blocks: 32 bytes, the upper lanes zero
-    const uint8_t* quad = group + q * kQuadBytes;
+    const uint8_t* quad = group + q * kQuadBytesQ4;
     vb lo[4], hi[4];
     for (int j = 0; j < 4; j++) {
       const vb c = load_b(quad + j * 64);
@@ -151,6 +155,7 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {16, 16, 8, 8, 16, 16, 16, 16};
 };
 
+// Q4_1 codes are unsigned (0..15), Q8_0's signed: digits x codes with tdpbsud or tdpbssd
 #define PDSERVE_AMX_BLOCK(B, C1, C2, b)                             \
   do {                                                               \
     const int8_t* at = a + (b) / 2 * 2048 + (b) % 2 * 32;            \
@@ -159,15 +164,21 @@ struct alignas(64) TileConfig {
     _tile_loadd(B, codes + (b) * 512, 64);                           \
     _tile_zero(C1);                                                  \
     _tile_zero(C2);                                                  \
-    _tile_dpbsud(C1, 0, B);                                          \
-    _tile_dpbsud(C2, 1, B);                                          \
+    if constexpr (kQ8) {                                             \
+      _tile_dpbssd(C1, 0, B);                                        \
+      _tile_dpbssd(C2, 1, B);                                        \
+    } else {                                                         \
+      _tile_dpbsud(C1, 0, B);                                        \
+      _tile_dpbsud(C2, 1, B);                                        \
+    }                                                                \
     _tile_stored(C1, sums[(b) % 2][0], 64);                          \
     _tile_stored(C2, sums[(b) % 2][1], 64);                          \
   } while (0)
 
 // rows [m0, m1) x 16 columns [n, n + 16), n % 16 == 0: the order of the header, 16 columns a vector.
 // Block b's integer sums come from the tile unit while block b - 1's are scaled and accumulated.
-void amx_q4_1(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t n, int ncols, int64_t m0,
+template <bool kQ8>
+void amx_cols(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t n, int ncols, int64_t m0,
               int64_t m1) {
   static const TileConfig config;
   _tile_loadconfig(&config);
@@ -176,21 +187,22 @@ void amx_q4_1(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, 
   const float* dm = w.amx_dm->data() + n / 16 * nb * 32;
   alignas(64) int32_t sums[2][2][256];
   alignas(64) float acc[4][16][16];
-  // acc[b % 4] = fma(float(I_b) * s2_b, d_b, acc[b % 4]); acc[b % 4] = fma(m_b, xs_b, acc[b % 4])
+  // acc[b % 4] = fma(float(I_b) * s2_b, d_b, acc[b % 4]), then (Q4_1) acc[b % 4] = fma(m_b, xs_b, acc[b % 4])
   auto scale = [&](int64_t r0, int64_t b) {
     const vf dv = load(dm + b * 32), mv = load(dm + b * 32 + 16);
     const float* s2 = px.s2.data() + r0 * srow + b * 4;
-    const float* xs = px.xs4.data() + r0 * srow + b * 4;
+    const float* xs = kQ8 ? nullptr : px.xs4.data() + r0 * srow + b * 4;
     const int32_t* c1 = sums[b % 2][0];
     const int32_t* c2 = sums[b % 2][1];
     float* out = acc[b % 4][0];
     for (int r = 0; r < 16; r++) {
       const vi iv = add_i(shl8(load_i(c1 + r * 16)), load_i(c2 + r * 16));
       vf v = fmadd(mul(cvt_f(iv), set1(s2[r * srow])), dv, load(out + r * 16));
-      store(out + r * 16, fmadd(mv, set1(xs[r * srow]), v));
+      if constexpr (!kQ8) v = fmadd(mv, set1(xs[r * srow]), v);
+      store(out + r * 16, v);
     }
   };
-  for (int64_t r0 = m0; r0 < m1; r0 += 16) {  // rows past M are zeros in a12/s2/xs4 (padded to 16)
+  for (int64_t r0 = m0; r0 < m1; r0 += 16) {  // rows past M are zeros in a12 and s2 (padded to 16)
     const int8_t* a = px.a12.data() + r0 / 16 * nb * 1024;
     std::fill(acc[0][0], acc[0][0] + 4 * 256, 0.0f);
     for (int64_t b = 0; b < nreal; b++) {
@@ -212,41 +224,44 @@ void amx_q4_1(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, 
 
 // ----------------------------------------------------------------------------------------- Q8_0
 
-template <int MT, int NT>
-void tile_q8_0(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t m, int64_t n) {
-  const int64_t nb = w.nb;
-  const uint8_t* us[NT];
-  const uint16_t* ds[NT];
-  for (int j = 0; j < NT; j++) {
-    us[j] = w.data + (n + j) * w.row_bytes;
-    ds[j] = reinterpret_cast<const uint16_t*>(us[j] + nb * 32);
-  }
-  const int64_t xrow = nb * 32, srow = nb * kLanesQ8;
-  prefetch_rows(w, n + kPrefetchTiles * NT, NT);
-  vf acc[MT][NT];
-  for (int i = 0; i < MT; i++)
-    for (int j = 0; j < NT; j++) acc[i][j] = zero();
-  for (int64_t p = 0; p < nb / 2; p++) {
-    vb u[NT];
-    vf dv[NT];
-    for (int j = 0; j < NT; j++) {
-      u[j] = load_b(us[j] + p * 64);
-      dv[j] = bcast2x8(ds[j] + p * 2);
+// MT rows x 4 columns [n, n + 4) as tile_q4_1: each column's two 64-byte halves of a quad (blocks
+// 0-1 and 2-3, 8 lanes a block) are folded to one block per chunk pair, then summed across columns.
+template <int MT>
+void tile_q8_0(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t m, int64_t n, int ncols) {
+  const int64_t nb = w.nb, nquad = nb / 4, nq = quads(nb);
+  const uint8_t* group = w.groups->data() + n / 4 * nq * kQuadBytesQ8;
+  const int64_t xrow = nb * 32, srow = nq * 16;
+  prefetch_group(w, group, n, nq * kQuadBytesQ8);
+  vf acc[MT];
+  for (int i = 0; i < MT; i++) acc[i] = zero();
+  for (int64_t q = 0; q < nq; q++) {
+    const bool pair = q == nquad;  // a last group of 2 blocks: blocks 2-3 are zeros
+    const uint8_t* quad = group + q * kQuadBytesQ8;
+    vb ua[4], ub[4];
+    for (int j = 0; j < 4; j++) {
+      ua[j] = load_b(quad + j * 128);
+      ub[j] = load_b(quad + j * 128 + 64);
     }
+    const vf dv = load_f16(reinterpret_cast<const uint16_t*>(quad + 512));
     for (int i = 0; i < MT; i++) {
-      const vb x1 = load_b(px.d1.data() + (m + i) * xrow + p * 64);
-      const vb x2 = load_b(px.d2.data() + (m + i) * xrow + p * 64);
-      const vf s2 = load(px.s2.data() + (m + i) * srow + p * 16);
-      for (int j = 0; j < NT; j++) {
-        vi iv = add_i(shl8(dot_q8(zero_i(), u[j], x1)), dot_q8(zero_i(), u[j], x2));
-        // biased codes: sum (q + 128) * (256 x1 + x2) - 128 * sum (256 x1 + x2) = sum q * (256 x1 + x2)
-        if constexpr (kQ8Biased) iv = sub_i(iv, load_i(px.c1.data() + (m + i) * srow + p * 16));
-        acc[i][j] = fmadd(mul(cvt_f(iv), s2), dv[j], acc[i][j]);
+      const int8_t* x1 = px.d1.data() + (m + i) * xrow + q * 128;
+      const int8_t* x2 = px.d2.data() + (m + i) * xrow + q * 128;
+      const vb x1a = load_b(x1), x2a = load_b(x2);
+      const vb x1b = pair ? vb{} : load_b(x1 + 64), x2b = pair ? vb{} : load_b(x2 + 64);
+      vi fa[4], fb[4];
+      for (int j = 0; j < 4; j++) {  // sum q * (256 x1 + x2) (biased codes: + 128 * that of the digits)
+        const vi a = add_i(shl8(dot_q8(zero_i(), ua[j], x1a)), dot_q8(zero_i(), ua[j], x2a));
+        const vi b = add_i(shl8(dot_q8(zero_i(), ub[j], x1b)), dot_q8(zero_i(), ub[j], x2b));
+        fa[j] = add_i(a, swap_chunk_pairs(a));
+        fb[j] = add_i(b, swap_chunk_pairs(b));
       }
+      vi sums = even_chunks(block_sums(fa), block_sums(fb));
+      const int64_t at = (m + i) * srow + q * 16;
+      if constexpr (kQ8Biased) sums = sub_i(sums, load_i(px.corr.data() + at));
+      acc[i] = fmadd(mul(cvt_f(sums), load(px.s2.data() + at)), dv, acc[i]);
     }
   }
-  for (int i = 0; i < MT; i++)
-    for (int j = 0; j < NT; j++) y[(m + i) * ldy + n + j] = reduce_add(acc[i][j]);
+  for (int i = 0; i < MT; i++) store_4cols(acc[i], y + (m + i) * ldy + n, ncols);
 }
 
 // Rows in tiles of 4 (then 1), columns in tiles of 2 (then 1). Every (m, n) gets the same sequence
@@ -278,26 +293,28 @@ void tiles(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int
   }
 }
 
-// Q4_1: 16 columns at a time on AMX for calls of several rows, else tiles of 4 columns x kRowTile rows
-// (then 1); the same numbers either way (the header).
+// Q4_1 and Q8_0: 16 columns at a time on AMX for calls of several rows, else tiles of 4 columns x
+// kRowTileQ rows (then 1); the same numbers either way (the header).
 constexpr int64_t kAmxMinRows = 16;
-constexpr int kRowTileQ4 = PDSERVE_AVX512 ? 4 : 1;  // AVX2's 16 registers hold one row's 4 columns
-void cols_q4_1(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t n0, int64_t n1, int64_t m0,
-               int64_t m1) {
-  if (n0 % 4 != 0) throw std::invalid_argument("Q4_1 column ranges start at a multiple of 4");
+constexpr int kRowTileQ = PDSERVE_AVX512 ? 4 : 1;  // AVX2's 16 registers hold one row's 4 columns
+template <bool kQ8>
+void quant_cols(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t n0, int64_t n1, int64_t m0,
+                int64_t m1) {
+  if (n0 % 4 != 0) throw std::invalid_argument("column ranges of a Q4_1 or Q8_0 weight start at a multiple of 4");
 #if PDSERVE_AMX
-  if (px.amx && w.amx_codes && n0 % 16 == 0 && m0 % 16 == 0 && m1 - m0 >= kAmxMinRows &&
-      amx_enabled()) {
+  if (px.amx && w.amx_codes && n0 % 16 == 0 && m0 % 16 == 0 && m1 - m0 >= kAmxMinRows && amx_enabled()) {
     for (int64_t n = n0; n < n1; n += 16)
-      amx_q4_1(w, px, y, ldy, n, static_cast<int>(std::min<int64_t>(16, n1 - n)), m0, m1);
+      amx_cols<kQ8>(w, px, y, ldy, n, static_cast<int>(std::min<int64_t>(16, n1 - n)), m0, m1);
     return;
   }
 #endif
+  constexpr auto tile1 = kQ8 ? tile_q8_0<1> : tile_q4_1<1>;
+  constexpr auto tileR = kQ8 ? tile_q8_0<kRowTileQ> : tile_q4_1<kRowTileQ>;
   int64_t m = m0;
-  for (; m + kRowTileQ4 <= m1; m += kRowTileQ4)
-    for (int64_t n = n0; n < n1; n += 4) tile_q4_1<kRowTileQ4>(w, px, y, ldy, m, n, static_cast<int>(std::min<int64_t>(4, n1 - n)));
+  for (; m + kRowTileQ <= m1; m += kRowTileQ)
+    for (int64_t n = n0; n < n1; n += 4) tileR(w, px, y, ldy, m, n, static_cast<int>(std::min<int64_t>(4, n1 - n)));
   for (; m < m1; m++)
-    for (int64_t n = n0; n < n1; n += 4) tile_q4_1<1>(w, px, y, ldy, m, n, static_cast<int>(std::min<int64_t>(4, n1 - n)));
+    for (int64_t n = n0; n < n1; n += 4) tile1(w, px, y, ldy, m, n, static_cast<int>(std::min<int64_t>(4, n1 - n)));
 }
 
 }  // namespace
@@ -333,40 +350,50 @@ bool amx_granted() {
 
 std::atomic<bool> g_amx_on{amx_available()};
 
-void pack_q4_1(QuantWeight& w) {
-  const int64_t nb = w.nb, nq = quads(nb);
-  auto q4g = std::make_shared<avector<uint8_t>>((w.n + 3) / 4 * nq * kQuadBytes, 0);
+// The checkpoint rows of a Q4_1 or Q8_0 weight, laid out again for the kernels (the same values):
+// the 4-column stream of the VNNI tiles, and where the OS grants AMX, the B tiles and scales.
+void pack(QuantWeight& w) {
+  const bool q4 = w.type == kQ4_1;
+  const int64_t nb = w.nb, nq = quads(nb), qbytes = quad_bytes(w.type), code_bytes = q4 ? 16 : 32;
+  auto groups = std::make_shared<avector<uint8_t>>((w.n + 3) / 4 * nq * qbytes, 0);
   for (int64_t c = 0; c < w.n; c++) {
     const uint8_t* row = w.data + c * w.row_bytes;
-    const uint16_t* d = reinterpret_cast<const uint16_t*>(row + nb * 16);
+    const uint16_t* d = reinterpret_cast<const uint16_t*>(row + nb * code_bytes);
     for (int64_t q = 0; q < nq; q++) {
-      uint8_t* quad = q4g->data() + (c / 4 * nq + q) * kQuadBytes;
+      uint8_t* quad = groups->data() + (c / 4 * nq + q) * qbytes;
       const int64_t blocks = std::min<int64_t>(4, nb - q * 4);
-      std::copy(row + q * 64, row + q * 64 + blocks * 16, quad + c % 4 * 64);
-      uint16_t* dm = reinterpret_cast<uint16_t*>(quad + 256);
+      const uint8_t* from = row + q * 4 * code_bytes;
+      std::copy(from, from + blocks * code_bytes, quad + c % 4 * 4 * code_bytes);
+      uint16_t* dm = reinterpret_cast<uint16_t*>(quad + 16 * code_bytes);
       for (int64_t g = 0; g < blocks; g++) {
         dm[g * 4 + c % 4] = d[q * 4 + g];
-        dm[16 + g * 4 + c % 4] = d[nb + q * 4 + g];
+        if (q4) dm[16 + g * 4 + c % 4] = d[nb + q * 4 + g];
       }
     }
   }
-  w.q4g = std::move(q4g);
+  w.groups = std::move(groups);
   if (!amx_available()) return;
-  const int64_t groups = (w.n + 15) / 16;
-  auto codes = std::make_shared<avector<int8_t>>(groups * nb * 512, 0);
-  auto dm = std::make_shared<std::vector<float>>(groups * nb * 32, 0.0f);
+  const int64_t tiles = (w.n + 15) / 16;
+  auto codes = std::make_shared<avector<int8_t>>(tiles * nb * 512, 0);
+  auto dm = std::make_shared<std::vector<float>>(tiles * nb * 32, 0.0f);
   for (int64_t c = 0; c < w.n; c++) {
-    const uint8_t* qs = w.data + c * w.row_bytes;
-    const uint16_t* d = reinterpret_cast<const uint16_t*>(qs + nb * 16);
+    const uint8_t* row = w.data + c * w.row_bytes;
+    const uint16_t* d = reinterpret_cast<const uint16_t*>(row + nb * code_bytes);
     for (int64_t b = 0; b < nb; b++) {
       int8_t* tile = codes->data() + (c / 16 * nb + b) * 512;
-      for (int kk = 0; kk < 32; kk++) {  // B[k / 4][column * 4 + k % 4] = code k of the block
-        const uint8_t byte = qs[b * 16 + kk % 16];
-        tile[kk / 4 * 64 + c % 16 * 4 + kk % 4] = static_cast<int8_t>(kk < 16 ? byte & 15 : byte >> 4);
+      for (int k = 0; k < 32; k++) {  // B[k / 4][column * 4 + k % 4] = code k of the block
+        int8_t code;
+        if (q4) {
+          const uint8_t byte = row[b * 16 + k % 16];
+          code = static_cast<int8_t>(k < 16 ? byte & 15 : byte >> 4);
+        } else {
+          code = static_cast<int8_t>(static_cast<int>(row[b * 32 + k]) - 128);
+        }
+        tile[k / 4 * 64 + c % 16 * 4 + k % 4] = code;
       }
       float* f = dm->data() + (c / 16 * nb + b) * 32;
       f[c % 16] = _cvtsh_ss(d[b]);
-      f[16 + c % 16] = _cvtsh_ss(d[nb + b]);
+      if (q4) f[16 + c % 16] = _cvtsh_ss(d[nb + b]);
     }
   }
   w.amx_codes = std::move(codes);
@@ -390,7 +417,7 @@ QuantWeight make_weight(const void* data, int type, int64_t n, int64_t k) {
   w.k = k;
   w.nb = padded_blocks(k);
   w.row_bytes = weight_bytes(type, 1, k);
-  if (type == kQ4_1) pack_q4_1(w);
+  if (type == kQ4_1 || type == kQ8_0) pack(w);
   return w;
 }
 
@@ -404,17 +431,15 @@ void prepare_resize(PreparedX& p, int type, int64_t M, int64_t k, const float* x
   if (type == kF32) return;
   p.d1.resize(M * p.nb * 32);
   p.d2.resize(M * p.nb * 32);
-  if (type == kQ8_0) {
-    p.s2.resize(M * p.nb * kLanesQ8);
-    if (kQ8Biased) p.c1.resize(M * p.nb * kLanesQ8);
-    return;
-  }
-  // Q4_1: rows padded to 16 and blocks to a multiple of 4, with zeros (a zero block adds +0)
+  // rows padded to 16 and blocks to a multiple of 4, with zeros (a zero block adds +0)
   const int64_t Mp = padded_rows(M), srow = quads(p.nb) * 16;
-  p.s2.resize(Mp * srow);
-  p.xs4.resize(Mp * srow);
-  std::fill(p.s2.begin() + M * srow, p.s2.end(), 0.0f);
-  std::fill(p.xs4.begin() + M * srow, p.xs4.end(), 0.0f);
+  auto padded = [&](auto& v) {
+    v.resize(Mp * srow);
+    std::fill(v.begin() + M * srow, v.end(), 0);
+  };
+  padded(p.s2);
+  if (type == kQ4_1) padded(p.xs4);
+  if (type == kQ8_0 && kQ8Biased) padded(p.corr);
   p.amx = amx_enabled() && M >= kAmxMinRows;
   if (p.amx) {
     p.a12.resize(Mp * p.nb * 64);
@@ -429,18 +454,16 @@ void prepare_resize(PreparedX& p, int type, int64_t M, int64_t k, const float* x
 
 void prepare_rows(PreparedX& p, int64_t m0, int64_t m1) {
   if (p.type == kF32) return;
-  const int64_t nb = p.nb, nreal = p.k / 32, nquad = nb / 4;
-  const int lanes = p.type == kQ4_1 ? kLanesQ4 : kLanesQ8;
-  const int64_t srow = p.type == kQ4_1 ? quads(nb) * 16 : nb * lanes;
+  const int64_t nb = p.nb, nreal = p.k / 32, nquad = nb / 4, srow = quads(nb) * 16;
+  constexpr int lanes = 4;  // per block in s2, xs4 and corr (one per column of a VNNI tile)
   for (int64_t m = m0; m < m1; m++) {
     const float* x = p.x + m * p.ldx;
     int8_t* d1 = p.d1.data() + m * nb * 32;
     int8_t* d2 = p.d2.data() + m * nb * 32;
     float* s2v = p.s2.data() + m * srow;
-    if (p.type == kQ4_1) {  // the blocks past nb, up to a multiple of 4
-      std::fill(s2v + nb * lanes, s2v + srow, 0.0f);
-      std::fill(p.xs4.data() + m * srow + nb * lanes, p.xs4.data() + (m + 1) * srow, 0.0f);
-    }
+    std::fill(s2v + nb * lanes, s2v + srow, 0.0f);  // the blocks past nb, up to a multiple of 4
+    if (p.type == kQ4_1) std::fill(p.xs4.data() + m * srow + nb * lanes, p.xs4.data() + (m + 1) * srow, 0.0f);
+    if (p.type == kQ8_0 && kQ8Biased) std::fill(p.corr.data() + m * srow + nb * lanes, p.corr.data() + (m + 1) * srow, 0);
     for (int64_t b = 0; b < nb; b++) {
       alignas(64) int8_t q1[32], q2[32];
       float s2 = 0.0f, xs = 0.0f;
@@ -472,13 +495,13 @@ void prepare_rows(PreparedX& p, int64_t m0, int64_t m1) {
         std::fill(q2, q2 + 32, 0);
       }
       for (int l = 0; l < lanes; l++) s2v[b * lanes + l] = s2;
+      if (p.amx) {
+        int8_t* at = p.a12.data() + amx_a_offset(m, b, nb);
+        std::copy(q1, q1 + 32, at);
+        std::copy(q2, q2 + 32, at + 1024);
+      }
       if (p.type == kQ4_1) {
         for (int l = 0; l < lanes; l++) p.xs4[m * srow + b * lanes + l] = xs;
-        if (p.amx) {
-          int8_t* at = p.a12.data() + amx_a_offset(m, b, nb);
-          std::copy(q1, q1 + 32, at);
-          std::copy(q2, q2 + 32, at + 1024);
-        }
         // group of g blocks starting at g0: [x[0:16] of each | x[16:32] of each]
         const int64_t g0 = b < nquad * 4 ? b / 4 * 4 : nquad * 4, g = b < nquad * 4 ? 4 : 2, at = b - g0;
         for (int h = 0; h < 2; h++) {
@@ -488,11 +511,8 @@ void prepare_rows(PreparedX& p, int64_t m0, int64_t m1) {
       } else {
         std::copy(q1, q1 + 32, d1 + b * 32);
         std::copy(q2, q2 + 32, d2 + b * 32);
-        if (kQ8Biased) {
-          int32_t* c = p.c1.data() + m * nb * lanes + b * lanes;
-          c[0] = 128 * (256 * sum1 + sum2);
-          for (int l = 1; l < lanes; l++) c[l] = 0;
-        }
+        if (kQ8Biased)  // biased codes: sum (q + 128) * (256 x1 + x2) - this = sum q * (256 x1 + x2)
+          for (int l = 0; l < lanes; l++) p.corr[m * srow + b * lanes + l] = 128 * (256 * sum1 + sum2);
       }
     }
   }
@@ -504,9 +524,9 @@ void matmul_cols(const QuantWeight& w, const PreparedX& px, float* y, int64_t ld
   if (m1 < 0) m1 = px.M;
   switch (w.type) {
     case kQ4_1:
-      return cols_q4_1(w, px, y, ldy, n0, n1, m0, m1);
+      return quant_cols<false>(w, px, y, ldy, n0, n1, m0, m1);
     case kQ8_0:
-      return tiles<tile_q8_0<kRowTile, 1>, tile_q8_0<kRowTile, 2>, tile_q8_0<1, 4>, tile_q8_0<1, 2>, tile_q8_0<1, 1>>(w, px, y, ldy, n0, n1, m0, m1);
+      return quant_cols<true>(w, px, y, ldy, n0, n1, m0, m1);
     case kF32:
       return tiles<tile_f32<kRowTile, 1>, tile_f32<kRowTile, 2>, tile_f32<1, 4>, tile_f32<1, 2>, tile_f32<1, 1>>(w, px, y, ldy, n0, n1, m0, m1);
   }

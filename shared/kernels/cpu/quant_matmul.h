@@ -18,16 +18,16 @@
 //
 // The order of every floating-point operation of one output (row m, column n) is fixed and does
 // not depend on how many rows share the call or which tile or instruction set computes it: a
-// sequence's numbers are the same alone, in a batch, in a prefill chunk or in a decode step. For
-// Q4_1 that order is, with I_b = sum over block b of q * (256 x1 + x2), an exact integer (< 2^24):
+// sequence's numbers are the same alone, in a batch, in a prefill chunk or in a decode step. That
+// order is, with I_b = sum over block b of q * (256 x1 + x2), an exact integer (Q4_1: < 2^24):
 //
-//   acc[b % 4] = fma(float(I_b) * s2_b, d_b, acc[b % 4]);  acc[b % 4] = fma(m_b, xs_b, acc[b % 4])
+//   acc[b % 4] = fma(float(I_b) * s2_b, d_b, acc[b % 4]);  acc[b % 4] = fma(m_b, xs_b, acc[b % 4]) (Q4_1)
 //   y = (acc[0] + acc[1]) + (acc[2] + acc[3])
 //
 // which VNNI computes 4 columns x 4 blocks to a vector (lane = block * 4 + column: the weights are
 // repacked per 4 columns so that a tile reads one contiguous stream) and AMX 16
 // columns to a vector, one block at a time (each block's integer sums from the tile unit). AMX is
-// used where the CPU and the OS allow it (PDSERVE_AMX=0 turns it off) for calls of several rows.
+// used where the CPU and the OS allow it (PDSERVE_AMX=0 turns it off) for calls of 16+ rows.
 #pragma once
 
 #include <cstdint>
@@ -61,8 +61,8 @@ struct QuantWeight {
   int64_t nb = 0;                 // blocks per row, padded to even
   int64_t row_bytes = 0;
   int type = kF32;
-  // Q4_1 only, made by make_weight from the rows (the same values, laid out for the kernels):
-  std::shared_ptr<const avector<uint8_t>> q4g;         // per 4 columns x 4 blocks: codes, d, m (quant_matmul.cpp)
+  // Q4_1 and Q8_0, made by make_weight from the rows (the same values, laid out for the kernels):
+  std::shared_ptr<const avector<uint8_t>> groups;      // per 4 columns x 4 blocks: codes, d (, m) (quant_matmul.cpp)
   std::shared_ptr<const avector<int8_t>> amx_codes;  // [n/16][nb][8][64]: AMX B tiles of the codes
   std::shared_ptr<const std::vector<float>> amx_dm;      // [n/16][nb][d | m][16 columns]
 };
@@ -82,14 +82,14 @@ struct PreparedX {
   int64_t M = 0, k = 0, nb = 0;
   const float* x = nullptr;  // F32: the rows themselves
   int64_t ldx = 0;
-  std::vector<int8_t> d1, d2;  // [M][nb/2][64]: digits, pair-interleaved for the weight type
-  std::vector<float> s1, s2;   // [M][nb/2][16]: per-lane digit scales
-  std::vector<int32_t> c1, c2; // Q8_0: [M][nb/2][16] per-lane corrections (128 * sum of digits)
-  std::vector<float> xs4;      // Q4_1: [Mp][quads][16] block sums of x, as s2 (4 lanes per block)
-  bool amx = false;            // Q4_1: a12 is filled, and calls of several rows use AMX
-  avector<int8_t> a12;         // Q4_1 with AMX: the digits as AMX A tiles [Mp/16][nb/2][2][16][64]
+  std::vector<int8_t> d1, d2;  // [M][nb * 32]: digits (Q4_1: per 4 blocks, [x[0:16] of each | x[16:32] of each])
+  std::vector<float> s2;       // [Mp][quads][16]: the digit-2 scale of each block, 4 lanes a block
+  std::vector<float> xs4;      // Q4_1: [Mp][quads][16] block sums of x, as s2
+  std::vector<int32_t> corr;   // Q8_0 with biased codes (AVX-512): [Mp][quads][16] 128 * sum (256 x1 + x2)
+  bool amx = false;            // a12 is filled, and calls of several rows use AMX
+  avector<int8_t> a12;         // with AMX: the digits as AMX A tiles [Mp/16][nb/2][2][16][64]
 };
-// (Q4_1: s2 and xs4 hold Mp = M rounded up to 16 rows, zeros past M and past the last block.)
+// (Mp = M rounded up to 16 rows; s2, xs4 and corr are zero past M and past the last block.)
 
 // Rows [m0, m1) of x (row stride ldx) into p (which must already be sized by prepare_resize).
 void prepare_resize(PreparedX& p, int type, int64_t M, int64_t k, const float* x, int64_t ldx);

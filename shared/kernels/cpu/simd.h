@@ -107,6 +107,9 @@ inline vi unpacklo32(vi a, vi b) { return {_mm512_unpacklo_epi32(a.v, b.v)}; }
 inline vi unpackhi32(vi a, vi b) { return {_mm512_unpackhi_epi32(a.v, b.v)}; }
 inline vi unpacklo64(vi a, vi b) { return {_mm512_unpacklo_epi64(a.v, b.v)}; }
 inline vi unpackhi64(vi a, vi b) { return {_mm512_unpackhi_epi64(a.v, b.v)}; }
+// 128-bit chunks: (c1, c0, c3, c2) of a; (a0, a2, b0, b2)
+inline vi swap_chunk_pairs(vi a) { return {_mm512_shuffle_i32x4(a.v, a.v, _MM_SHUFFLE(2, 3, 0, 1))}; }
+inline vi even_chunks(vi a, vi b) { return {_mm512_shuffle_i32x4(a.v, b.v, _MM_SHUFFLE(2, 0, 2, 0))}; }
 inline vb lo_nibbles(vb a) { return {_mm512_and_si512(a.v, _mm512_set1_epi8(0x0F))}; }
 inline vb hi_nibbles(vb a) { return {_mm512_and_si512(_mm512_srli_epi16(a.v, 4), _mm512_set1_epi8(0x0F))}; }
 // per int32 lane: the sum of 4 products u * s plus 4 products v * t (u, v: u8 at most 15; s, t: s8)
@@ -255,6 +258,8 @@ inline vi unpacklo32(vi a, vi b) { return {_mm256_unpacklo_epi32(a.lo, b.lo), _m
 inline vi unpackhi32(vi a, vi b) { return {_mm256_unpackhi_epi32(a.lo, b.lo), _mm256_unpackhi_epi32(a.hi, b.hi)}; }
 inline vi unpacklo64(vi a, vi b) { return {_mm256_unpacklo_epi64(a.lo, b.lo), _mm256_unpacklo_epi64(a.hi, b.hi)}; }
 inline vi unpackhi64(vi a, vi b) { return {_mm256_unpackhi_epi64(a.lo, b.lo), _mm256_unpackhi_epi64(a.hi, b.hi)}; }
+inline vi swap_chunk_pairs(vi a) { return {_mm256_permute2x128_si256(a.lo, a.lo, 0x01), _mm256_permute2x128_si256(a.hi, a.hi, 0x01)}; }
+inline vi even_chunks(vi a, vi b) { return {_mm256_permute2x128_si256(a.lo, a.hi, 0x20), _mm256_permute2x128_si256(b.lo, b.hi, 0x20)}; }
 inline vb lo_nibbles(vb a) {
   const __m256i m = _mm256_set1_epi8(0x0F);
   return {_mm256_and_si256(a.lo, m), _mm256_and_si256(a.hi, m)};
