@@ -12,6 +12,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -218,6 +219,11 @@ def _serve_one_chat(up_args: list[str], workdir: Path, requests: int = 1) -> lis
     up = start_up(workdir, *up_args)
     try:
         wait_up_healthy(up, timeout=150)
+        # the gateway answers /health a poll before `up` sees it and says so: a SIGTERM in between
+        # (a fast answer on a loaded machine) stopped it before its "pdserve is up"
+        deadline = time.monotonic() + 30
+        while "pdserve is up" not in up.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
         texts = []
         for i in range(requests):
             body = {"model": MODEL, "messages": [{"role": "user", "content": f"Name a fruit, number {i}."}],
