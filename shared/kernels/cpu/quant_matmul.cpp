@@ -147,7 +147,7 @@ inline int64_t amx_a_offset(int64_t m, int64_t b, int64_t nb) { return (m / 16 *
 // Tiles: 0 and 1 the two digits of 16 rows x one block (A, K = 32), 2 and 3 a block's codes of 16
 // columns (B), 4-7 the integer sums (C) of digit 1 and 2. Even blocks use B 2 and C 4/5, odd ones
 // B 3 and C 6/7, so that one block's products need not wait for the last block's sums to be
-// stored. Loaded on each call: other code on the thread may use AMX too.
+// stored. Loaded on each call (and released after): other code on the thread may use AMX too.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
   uint8_t reserved[14] = {};
@@ -218,6 +218,7 @@ void amx_cols(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, 
       for (int j = 0; j < ncols; j++)
         y[(r0 + r) * ldy + n + j] = (acc[0][r][j] + acc[1][r][j]) + (acc[2][r][j] + acc[3][r][j]);
   }
+  _tile_release();  // the tile state back to its initial one: no 8 KB saved at each context switch
 }
 #undef PDSERVE_AMX_BLOCK
 #endif
