@@ -33,15 +33,6 @@ constexpr int64_t kPrefetchTiles = 2;  // how many tiles ahead a tile prefetches
 
 int64_t padded_blocks(int64_t k) { return (k / 32 + 1) / 2 * 2; }
 
-// Ask for the weight rows a later tile reads ([n, n + count) of w, clipped), so that their misses
-// overlap this tile's work: a weight row is read once a step, from L3 or memory.
-inline void prefetch_rows(const QuantWeight& w, int64_t n, int64_t count) {
-  if (n >= w.n) return;
-  const char* p = reinterpret_cast<const char*>(w.data + n * w.row_bytes);
-  const int64_t bytes = std::min(count, w.n - n) * w.row_bytes;
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
-}
-
 // ------------------------------------------------------------------------------------------ F32
 
 template <int MT, int NT>

@@ -42,14 +42,6 @@ inline __m256i dpbusd8(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-// fp16 block scales broadcast over int32 lanes: [a x 4, b x 4] for 8 lanes
-inline __m256 bcast2x4(const uint16_t* d) {
-  uint32_t two;
-  __builtin_memcpy(&two, d, 4);
-  const __m128 ab = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
-  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(ab), _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
-}
-
 #if PDSERVE_AVX512
 
 struct vf {
@@ -118,18 +110,6 @@ inline vi dot_u4x2(vb u, vb s, vb v, vb t) { return {_mm512_dpbusd_epi32(_mm512_
 // correction: here sum u * s, so callers subtract 128 * sum s (kQ8Biased)
 constexpr bool kQ8Biased = true;
 inline vi dot_q8(vi acc, vb u, vb s) { return {_mm512_dpbusd_epi32(acc.v, u.v, s.v)}; }
-
-// fp16 block scales broadcast over int32 lanes: 16 lanes as [a x 4, b x 4, c x 4, d x 4], or [a x 8, b x 8]
-inline vf bcast4x4(const uint16_t* d) {
-  const __m128 abcd = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(d)));
-  return {_mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), _mm512_castps128_ps512(abcd))};
-}
-inline vf bcast2x8(const uint16_t* d) {
-  uint32_t two;
-  __builtin_memcpy(&two, d, 4);
-  const __m128 ab = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
-  return {_mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), _mm512_castps128_ps512(ab))};
-}
 
 // 16 x 16 transpose: r[i] lane j <- r[j] lane i
 __attribute__((always_inline)) inline void transpose16(vf r[16]) {
@@ -283,17 +263,6 @@ inline __m256i dot_q8_8(__m256i acc, __m256i u, __m256i s) {
   return dpbusd8(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w));
 }
 inline vi dot_q8(vi acc, vb u, vb s) { return {dot_q8_8(acc.lo, u.lo, s.lo), dot_q8_8(acc.hi, u.hi, s.hi)}; }
-
-inline vf bcast4x4(const uint16_t* d) {
-  const __m256 abcd = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(d))));
-  return {_mm256_permutevar8x32_ps(abcd, _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0)),
-          _mm256_permutevar8x32_ps(abcd, _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2))};
-}
-inline vf bcast2x8(const uint16_t* d) {
-  const __m256 ab = bcast2x4(d);  // [a x 4, b x 4]
-  return {_mm256_permutevar8x32_ps(ab, _mm256_setzero_si256()), _mm256_permutevar8x32_ps(ab, _mm256_set1_epi32(4))};
-}
-
 
 __attribute__((always_inline)) inline void transpose8(__m256 r[8]) {
   __m256 t[8], u[8];
