@@ -261,8 +261,10 @@ def test_nats_cluster_node_leading_the_prefill_queue_killed_every_request_comple
     from shared.protocol import subjects
     from shared.transport.servers import cluster_url
 
+    # a KV release (core NATS request/reply) sent through the killed node is lost: the blocks come
+    # back when their lease expires, as for a dead worker (10 s here; 60 s by default)
     stack, url = up(tmp_path_factory, "--nats-cluster", "3", "--hosts", "2", "--prefill", "2", "--decode", "2",
-                    "--gateway-arg=--inactivity-timeout=30")
+                    "--gateway-arg=--inactivity-timeout=30", "--worker-arg=--lease-ttl=10")
     try:
         nodes = {s.name: s for s in stack.servers if s.name.startswith("nats-")}
         nats_url = cluster_url(list(nodes.values()))
