@@ -9,10 +9,11 @@ and a cold prefill of 512 and 2,000 tokens is added: what AMX buys on this machi
 from __future__ import annotations
 
 import argparse
-import random
 import time
 
 import torch
+
+from bench_model import prefill_seconds  # benchmarks/, the script's own directory
 
 from shared.config import EngineConfig, SpecConfig
 from shared.engine.engine import LLMEngine
@@ -35,16 +36,6 @@ def step_seconds(engine: LLMEngine, batch: int, tag: str) -> float:
     return (time.perf_counter() - t0) / (steps - WARMUP)
 
 
-def prefill_seconds(engine: LLMEngine, n: int, tag: str) -> float:
-    rng = random.Random(tag)
-    engine.pool.reset_prefix_cache()
-    engine.add_request(tag, [rng.randrange(100, 40000) for _ in range(n)], SamplingParams(temperature=0.0, max_tokens=1))
-    t0 = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-    return time.perf_counter() - t0
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -60,14 +51,16 @@ def main() -> None:
     ext = cpu_ext.load()
     if ext is None or not ext.amx_available():
         raise SystemExit("no AMX here (the CPU or the OS does not offer it, or PDSERVE_AMX=0)")
-    measures = [(f"decode batch {b}", b, lambda tag, b=b: step_seconds(engine, b, tag)) for b in (1, 8, 16, 32)]
-    measures += [(f"prefill {n}", n, lambda tag, n=n: prefill_seconds(engine, n, tag)) for n in (512, 2000)]
+    measures = [(f"decode batch {b}", b, lambda turn, b=b: step_seconds(engine, b, f"b{b}-amx-{turn}"))
+                for b in (1, 8, 16, 32)]
+    # a fresh prompt a turn (bench_model's seeded random prompts, the prefix cache reset)
+    measures += [(f"prefill {n}", n, lambda turn, n=n: prefill_seconds(engine, n, seed=turn)) for n in (512, 2000)]
     try:
         for name, tokens, measure in measures:
             best = {True: float("inf"), False: float("inf")}
             for turn, on in enumerate((True, False, False, True)):
                 ext.set_amx(on)
-                best[on] = min(best[on], measure(f"{name}-{turn}"))
+                best[on] = min(best[on], measure(turn))
             print(f"{name}: AMX {tokens / best[True]:.1f} tok/s, off {tokens / best[False]:.1f} tok/s "
                   f"({best[False] / best[True]:.2f}x)", flush=True)
     finally:

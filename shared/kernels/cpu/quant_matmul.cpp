@@ -69,11 +69,16 @@ int64_t quads(int64_t nb) { return (nb + 3) / 4; }
 constexpr int64_t kQuadBytesQ4 = 4 * 64 + 2 * 32, kQuadBytesQ8 = 4 * 128 + 32;
 inline int64_t quad_bytes(int type) { return type == kQ4_1 ? kQuadBytesQ4 : kQuadBytesQ8; }
 
-// The group a later tile reads (kPrefetchTiles groups on), so that its misses overlap this tile's work
-inline void prefetch_group(const QuantWeight& w, const uint8_t* group, int64_t n, int64_t bytes) {
-  if (n + kPrefetchTiles * 4 >= w.n) return;
-  const char* ahead = reinterpret_cast<const char*>(group + kPrefetchTiles * bytes);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+// The group of columns [n, n + 4) in QuantWeight::groups (quads of qbytes each), after asking for
+// the group a later tile reads (kPrefetchTiles on), so that its misses overlap this tile's work
+inline const uint8_t* group_of(const QuantWeight& w, int64_t n, int64_t qbytes) {
+  const int64_t bytes = quads(w.nb) * qbytes;
+  const uint8_t* group = w.groups->data() + n / 4 * bytes;
+  if (n + kPrefetchTiles * 4 < w.n) {
+    const char* ahead = reinterpret_cast<const char*>(group + kPrefetchTiles * bytes);
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+  }
+  return group;
 }
 int64_t padded_rows(int64_t M) { return (M + 15) / 16 * 16; }
 
@@ -97,9 +102,8 @@ inline void store_4cols(vf acc, float* y, int ncols) {
 template <int MT>
 void tile_q4_1(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t m, int64_t n, int ncols) {
   const int64_t nb = w.nb, nquad = nb / 4, nq = quads(nb);
-  const uint8_t* group = w.groups->data() + n / 4 * nq * kQuadBytesQ4;
+  const uint8_t* group = group_of(w, n, kQuadBytesQ4);
   const int64_t xrow = nb * 32, srow = nq * 16;
-  prefetch_group(w, group, n, nq * kQuadBytesQ4);
   vf acc[MT];
   for (int i = 0; i < MT; i++) acc[i] = zero();
   for (int64_t q = 0; q < nq; q++) {
@@ -221,9 +225,8 @@ void amx_cols(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, 
 template <int MT>
 void tile_q8_0(const QuantWeight& w, const PreparedX& px, float* y, int64_t ldy, int64_t m, int64_t n, int ncols) {
   const int64_t nb = w.nb, nquad = nb / 4, nq = quads(nb);
-  const uint8_t* group = w.groups->data() + n / 4 * nq * kQuadBytesQ8;
+  const uint8_t* group = group_of(w, n, kQuadBytesQ8);
   const int64_t xrow = nb * 32, srow = nq * 16;
-  prefetch_group(w, group, n, nq * kQuadBytesQ8);
   vf acc[MT];
   for (int i = 0; i < MT; i++) acc[i] = zero();
   for (int64_t q = 0; q < nq; q++) {

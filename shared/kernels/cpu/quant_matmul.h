@@ -86,7 +86,7 @@ struct PreparedX {
   std::vector<float> s2;       // [Mp][quads][16]: the digit-2 scale of each block, 4 lanes a block
   std::vector<float> xs4;      // Q4_1: [Mp][quads][16] block sums of x, as s2
   std::vector<int32_t> corr;   // Q8_0 with biased codes (AVX-512): [Mp][quads][16] 128 * sum (256 x1 + x2)
-  bool amx = false;            // a12 is filled, and calls of several rows use AMX
+  bool amx = false;            // a12 is filled, and calls of 16+ rows use AMX
   avector<int8_t> a12;         // with AMX: the digits as AMX A tiles [Mp/16][nb/2][2][16][64]
 };
 // (Mp = M rounded up to 16 rows; s2, xs4 and corr are zero past M and past the last block.)
