@@ -49,7 +49,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from shared.kernels import cpu_ext
 
     engine = LLMEngine.from_config(engine_config(args))
-    if args.stats and cpu_ext.BUILD_SECONDS is not None:
+    if cpu_ext.BUILD_SECONDS is not None:
         print(f"[cold start: compiled pdserve's CPU kernels in {cpu_ext.BUILD_SECONDS:.0f} s, cached for later runs]",
               file=sys.stderr)
     tok = engine.tokenizer

@@ -76,6 +76,9 @@ def load() -> ModuleType | None:
     build_dir = pdserve_home() / "ext" / f"cpu-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
     cached = any(build_dir.glob("*.so"))
+    if not cached:  # a first start is silent for a minute otherwise: say why
+        log.warning("compiling pdserve's CPU kernels for this machine (first start only, ~1 min on 2 cores; "
+                    "cached in %s)", build_dir)
     t0 = time.perf_counter()
     try:
         # torch serialises builds with a lock file that a process killed mid-build leaves behind, and
