@@ -67,6 +67,7 @@ def describe(nc: NATS) -> dict:
 # JetStream did not answer (yet): no ack in time, no stream leader (an election), no responders
 UNANSWERED = (TimeoutError, ServiceUnavailableError, NoRespondersError, NoStreamResponseError)
 DEDUP_WINDOW_S = 120.0  # a job published again with the same Nats-Msg-Id within this is stored once
+NO_PEERS_FOR_PLACEMENT = 10005  # JetStream's err_code while a cluster's servers have not all met yet
 JETSTREAM_WAIT_S = 60.0  # a cluster just started elects its JetStream leader in seconds
 
 
@@ -97,13 +98,15 @@ async def ensure_streams(js: JetStreamContext, storage: StorageType = StorageTyp
             try:
                 try:
                     await js.add_stream(config)
-                except BadRequestError:
+                except BadRequestError as exc:
+                    if exc.err_code == NO_PEERS_FOR_PLACEMENT:
+                        raise  # not "it exists": the cluster has not yet met enough of its peers
                     await js.update_stream(config)
                 break
-            except UNANSWERED as exc:
-                if loop.time() > deadline:
+            except (*UNANSWERED, BadRequestError) as exc:
+                if loop.time() > deadline or (isinstance(exc, BadRequestError) and exc.err_code != NO_PEERS_FOR_PLACEMENT):
                     raise
-                log.info("JetStream not ready (%s); retrying", type(exc).__name__)
+                log.info("JetStream not ready (%s); retrying", exc)
                 await asyncio.sleep(0.5)
 
 
