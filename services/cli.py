@@ -8,6 +8,7 @@
     pdserve generate "prompt" [--chat]             stream the model's answer to the terminal
     pdserve bench --base-url URL [--workload W]    load any OpenAI-compatible server, report TTFT/TPOT/ITL/goodput
     pdserve profile | simulate | plan              measure this machine; simulate a fleet; size the pools
+    pdserve planner                                the live planner on Kubernetes: replica counts per pool
 
 Environment variables are read here, once, and passed on as plain values.
 """

@@ -230,24 +230,48 @@ def histogram_p90(now: dict[float, float], before: dict[float, float]) -> float 
 
 
 class MetricsWatcher:
-    """Scrapes the gateway's /metrics; each `observe()` describes the time since the previous one."""
+    """Scrapes the gateways' /metrics; each `observe()` describes the time since the previous one.
 
-    def __init__(self, base_url: str, fetch: Callable[[str], str] | None = None):
-        self.url = f"{base_url.rstrip('/')}/metrics"
+    `base_url` is one gateway, or a callable giving the gateways' URLs now (on Kubernetes every
+    replica's pod: behind the Service each scrape would reach a different one). Counters and
+    histograms are per gateway, so their interval deltas are taken per gateway and summed (a gateway
+    seen for the first time, or restarted, only sets its baseline); the workers' gauges, which every
+    gateway repeats, are counted once per label set."""
+
+    def __init__(self, base_url: str | Callable[[], list[str]], fetch: Callable[[str], str] | None = None):
+        self.urls = base_url if callable(base_url) else (lambda: [base_url])
         self.fetch = fetch or (lambda url: urllib.request.urlopen(url, timeout=5).read().decode())
-        self._prev: list | None = None
+        self._prev: dict[str, tuple[float, dict, dict]] = {}  # url -> (requests, TTFT buckets, ITL buckets)
 
     def observe(self) -> Observation:
-        samples = parse_prometheus(self.fetch(self.url))
-        prev, self._prev = self._prev or [], samples
-        total = sum(v for n, _, v in samples if n == REQUESTS_TOTAL)
-        total_before = sum(v for n, _, v in prev if n == REQUESTS_TOTAL)
-        waiting = {s: sum(v for n, lab, v in samples if n == REQUESTS_WAITING and lab.get("service") == s)
+        pages, failed = {}, {}
+        for url in self.urls():
+            try:
+                pages[url] = parse_prometheus(self.fetch(f"{url.rstrip('/')}/metrics"))
+            except OSError as exc:  # one gateway restarting: the others still speak for the interval
+                failed[url] = exc
+        if failed and not pages:
+            raise OSError("; ".join(f"{url}: {exc}" for url, exc in failed.items()))
+        requests, ttft, itl, gauges = 0.0, {}, {}, {}
+        for url, samples in pages.items():
+            now = (sum(v for n, _, v in samples if n == REQUESTS_TOTAL), _buckets(samples, TTFT), _buckets(samples, ITL))
+            before = self._prev.get(url)
+            self._prev[url] = now
+            for n, labels, v in samples:
+                if n == REQUESTS_WAITING:
+                    gauges[tuple(sorted(labels.items()))] = v
+            if before is None or now[0] < before[0]:  # new, or restarted (its counters went back)
+                continue
+            requests += now[0] - before[0]
+            for acc, cur, old in ((ttft, now[1], before[1]), (itl, now[2], before[2])):
+                for le, c in cur.items():
+                    acc[le] = acc.get(le, 0.0) + c - old.get(le, 0.0)
+        self._prev = {url: v for url, v in self._prev.items() if url in pages or url in failed}
+        waiting = {s: sum(v for labels, v in gauges.items() if dict(labels).get("service") == s)
                    for s in ("gateway", "decode")}
-        return Observation(requests=int(total - total_before) if prev else 0,
-                           ttft_p90_s=histogram_p90(_buckets(samples, TTFT), _buckets(prev, TTFT)),
-                           itl_p90_s=histogram_p90(_buckets(samples, ITL), _buckets(prev, ITL)),
-                           prefill_waiting=waiting["gateway"], decode_waiting=waiting["decode"])
+        return Observation(requests=int(requests), ttft_p90_s=histogram_p90(ttft, {}),
+                           itl_p90_s=histogram_p90(itl, {}), prefill_waiting=waiting["gateway"],
+                           decode_waiting=waiting["decode"])
 
 
 class LiveAutoscaler:
@@ -260,6 +284,9 @@ class LiveAutoscaler:
         self.autoscaler = Autoscaler(config, actuator, initial)
         self.watcher = watcher or MetricsWatcher(base_url)
         self._next: float | None = None  # None: the baseline scrape is still to take
+
+    def due(self) -> bool:
+        return self._next is None or self.clock() >= self._next
 
     def tick(self) -> list[Decision]:
         now = self.clock()
@@ -285,28 +312,38 @@ def add_autoscale_args(p) -> None:
     g = p.add_argument_group("autoscaling (pdserve up --autoscale)")
     g.add_argument("--autoscale", action="store_true",
                    help="add and remove local prefill / decode workers from the gateway's metrics")
+    add_limit_args(g, max_per_pool=max(1, cores // 2), what="processes")
+
+
+def add_limit_args(g, max_per_pool: int, what: str) -> None:
+    """The pools' bounds, the budget, the decision interval and the SLOs: `up --autoscale`'s and
+    `pdserve planner`'s (workers or pods)."""
     g.add_argument("--min-prefill", type=int, default=1)
-    g.add_argument("--max-prefill", type=int, default=max(1, cores // 2))
+    g.add_argument("--max-prefill", type=int, default=max_per_pool)
     g.add_argument("--min-decode", type=int, default=1)
-    g.add_argument("--max-decode", type=int, default=max(1, cores // 2))
+    g.add_argument("--max-decode", type=int, default=max_per_pool)
     g.add_argument("--budget", type=int, default=None,
-                   help="prefill + decode processes at most, draining ones included (default: max-prefill + max-decode)")
+                   help=f"prefill + decode {what} at most, draining ones included (default: max-prefill + max-decode)")
     g.add_argument("--autoscale-interval", type=float, default=5.0, help="seconds between decisions")
     g.add_argument("--slo-ttft-p90-ms", type=float, default=2000.0)
     g.add_argument("--slo-itl-p90-ms", type=float, default=250.0)
 
 
-def autoscale_config(args) -> AutoscaleConfig:
-    """From `up`'s resolved arguments. Colocated mode has one pool (the engine workers, counted as
-    decode, judged by TTFT and ITL both); a pool's maximum is at least what `up` starts."""
-    colocated = args.mode == "colocated"
-    max_prefill = 0 if colocated else max(args.max_prefill, args.prefill)
-    max_decode = max(args.max_decode, args.decode)
+def limits_config(args, *, colocated: bool = False, started: tuple[int, int] = (0, 0)) -> AutoscaleConfig:
+    """AutoscaleConfig from `add_limit_args`' arguments; a pool's maximum is at least `started`."""
+    max_prefill = 0 if colocated else max(args.max_prefill, started[0])
+    max_decode = max(args.max_decode, started[1])
     return AutoscaleConfig(min_prefill=0 if colocated else args.min_prefill, max_prefill=max_prefill,
                            min_decode=args.min_decode, max_decode=max_decode,
                            budget=args.budget or max_prefill + max_decode, colocated=colocated,
                            interval_s=args.autoscale_interval, slo_ttft_p90_s=args.slo_ttft_p90_ms / 1e3,
                            slo_itl_p90_s=args.slo_itl_p90_ms / 1e3)
+
+
+def autoscale_config(args) -> AutoscaleConfig:
+    """From `up`'s resolved arguments. Colocated mode has one pool (the engine workers, counted as
+    decode, judged by TTFT and ITL both); a pool's maximum is at least what `up` starts."""
+    return limits_config(args, colocated=args.mode == "colocated", started=(args.prefill, args.decode))
 
 
 def start_autoscaler(args, url: str, actuator: Actuator, initial: dict[str, list[str]]) -> LiveAutoscaler:

@@ -1,4 +1,4 @@
-"""The planner's subcommands, registered on `pdserve`'s parser: profile, simulate, plan."""
+"""The planner's subcommands, registered on `pdserve`'s parser: profile, simulate, plan, planner."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 
 
 def add_planner_commands(sub: argparse._SubParsersAction) -> None:
+    from services.planner.kube import add_planner_args, cmd_planner
     from services.planner.plan import add_plan_args, cmd_plan
     from services.planner.profile import add_profile_args, cmd_profile
     from services.planner.simulate import add_simulate_args, cmd_simulate
@@ -22,3 +23,7 @@ def add_planner_commands(sub: argparse._SubParsersAction) -> None:
                                        "the cheapest configuration meeting TTFT / ITL p90 SLOs within a budget")
     add_plan_args(plan)
     plan.set_defaults(func=cmd_plan)
+    planner = sub.add_parser("planner", help="the live planner on Kubernetes: scale the prefill and decode "
+                                             "Deployments from the gateways' metrics (as `up --autoscale` does locally)")
+    add_planner_args(planner)
+    planner.set_defaults(func=cmd_planner)

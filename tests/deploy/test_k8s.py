@@ -275,9 +275,40 @@ def test_disruption_budgets_and_autoscalers(k8s):
                     <= k8s.workload(component)["spec"]["template"]["metadata"]["labels"].items()]
         assert matching, f"no PodDisruptionBudget covers {component}"
     scaled = {h["spec"]["scaleTargetRef"]["name"]: h for h in k8s.all("HorizontalPodAutoscaler")}
-    assert {"gateway", "decode"} <= scaled.keys()
+    planned = {"prefill", "decode"} if k8s.component("planner") else set()
+    assert "gateway" in scaled and ("decode" in scaled or "decode" in planned)
+    assert not scaled.keys() & planned, "an HPA and the planner would both write one replica count"
     for hpa in scaled.values():
         assert hpa["apiVersion"] == "autoscaling/v2" and 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+
+
+def test_the_planner_may_only_scale_the_pools_and_its_flags_parse(k8s):
+    """`pdserve planner` (components/planner, in both overlays): its command line parses with pdserve's
+    own parser; its bounds hold the pools' starting counts; its service account can read and write
+    the pools' scale subresource and list pods, nothing more."""
+    from services.cli import build_parser
+    from services.planner.autoscale import limits_config
+
+    container = k8s.container("planner", "planner")
+    argv = k8s.argv(container)
+    assert argv[:2] == ["pdserve", "planner"]
+    try:
+        args = build_parser().parse_args(argv[1:])
+    except SystemExit:
+        pytest.fail(f"pdserve rejects {argv}")
+    config = limits_config(args)
+    for kind in ("prefill", "decode"):
+        lo, hi = config.bounds(kind)
+        assert lo <= k8s.workload(kind)["spec"]["replicas"] <= hi, kind
+    assert config.min_prefill + config.min_decode <= config.budget
+    account = pod(k8s.workload("planner"))["serviceAccountName"]
+    (binding,) = [b for b in k8s.all("RoleBinding") if {"kind": "ServiceAccount", "name": account}.items()
+                  <= b["subjects"][0].items()]
+    role = k8s.get("Role", binding["roleRef"]["name"])
+    grants = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+              for v in rule["verbs"]}
+    assert grants == {("apps", "deployments/scale", "get"), ("apps", "deployments/scale", "patch"),
+                      ("", "pods", "list")}
 
 
 def test_connection_settings(k8s):

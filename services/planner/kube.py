@@ -1,0 +1,201 @@
+"""`pdserve planner`: the live planner of `pdserve up --autoscale`, on Kubernetes.
+
+The same policy (autoscale.Autoscaler: hysteresis, cooldown, budget, scale to the minimum when
+traffic stops) with the same inputs (every gateway's /metrics), but its decisions are replica
+counts written to the prefill and decode Deployments' scale subresource:
+
+    every interval:  the gateway Deployment's ready pods → scrape each /metrics → Observation
+                     → Autoscaler.step → PATCH deployments/<pool>/scale {"spec": {"replicas": n±1}}
+
+A removal drains as a local one does: Kubernetes sends the pod it picks SIGTERM, and a worker
+stops taking jobs, finishes what it holds and exits (within terminationGracePeriodSeconds). The
+pod stays in the API with a deletionTimestamp until then, and counts against the budget until it
+is gone. A count changed outside the planner (`kubectl scale`, `kubectl apply`) is adopted at the
+next interval rather than fought.
+
+The API is spoken directly over HTTPS with the pod's service account (deploy/k8s/components/planner
+has the Role: get/patch deployments/scale, list pods), or any server and token given on the command
+line (`--kube-api`, `--kube-token-file`: a `kubectl proxy`, for running it from a laptop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import ssl
+import threading
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from services.planner.autoscale import KINDS, AutoscaleConfig, LiveAutoscaler, MetricsWatcher, add_limit_args, \
+    limits_config
+
+log = logging.getLogger("pdserve.planner")
+
+SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+class KubeClient:
+    """The few Kubernetes API calls the planner makes."""
+
+    def __init__(self, server: str, namespace: str, token_file: Path | None = None, ca_file: Path | None = None,
+                 timeout_s: float = 10.0):
+        self.server, self.namespace, self.token_file, self.timeout_s = server.rstrip("/"), namespace, token_file, timeout_s
+        self.context = ssl.create_default_context(cafile=str(ca_file)) if ca_file else None
+
+    @classmethod
+    def in_cluster(cls, namespace: str | None = None) -> KubeClient:
+        import os
+
+        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        if not host:
+            raise RuntimeError("not in a Kubernetes pod (no KUBERNETES_SERVICE_HOST): give --kube-api")
+        ns = namespace or (SERVICE_ACCOUNT / "namespace").read_text().strip()
+        return cls(f"https://{host}:{port}", ns, SERVICE_ACCOUNT / "token", SERVICE_ACCOUNT / "ca.crt")
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> dict[str, Any]:
+        headers = {"Accept": "application/json"}
+        if self.token_file is not None:  # read each time: projected tokens are rotated
+            headers["Authorization"] = f"Bearer {self.token_file.read_text().strip()}"
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/merge-patch+json"
+        req = urllib.request.Request(self.server + path, data=data, method=method, headers=headers)
+        with urllib.request.urlopen(req, timeout=self.timeout_s, context=self.context) as resp:
+            return json.loads(resp.read())
+
+    def _scale_path(self, deployment: str) -> str:
+        return f"/apis/apps/v1/namespaces/{self.namespace}/deployments/{deployment}/scale"
+
+    def replicas(self, deployment: str) -> tuple[int, str]:
+        """(spec.replicas, the pods' label selector) of a Deployment."""
+        scale = self._call("GET", self._scale_path(deployment))
+        return int(scale.get("spec", {}).get("replicas", 0)), scale.get("status", {}).get("selector", "")
+
+    def set_replicas(self, deployment: str, n: int) -> None:
+        self._call("PATCH", self._scale_path(deployment), {"spec": {"replicas": n}})
+
+    def pods(self, selector: str) -> list[dict[str, Any]]:
+        query = urllib.parse.urlencode({"labelSelector": selector})
+        return self._call("GET", f"/api/v1/namespaces/{self.namespace}/pods?{query}").get("items", [])
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    conditions = pod.get("status", {}).get("conditions", [])
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+class KubeActuator:
+    """autoscale.Actuator on Deployments. A worker's name is a slot, `<deployment>/<n>`: Kubernetes,
+    not the planner, picks which pod a scale-down removes, so a drained name stands for "one pod
+    of that Deployment terminating" and has exited when none is left terminating."""
+
+    def __init__(self, client: KubeClient, deployments: dict[str, str]):
+        self.client, self.deployments = client, deployments
+        self._next = {kind: 0 for kind in deployments}
+
+    def counts(self) -> dict[str, int]:
+        return {kind: self.client.replicas(d)[0] for kind, d in self.deployments.items()}
+
+    def names(self, kind: str, n: int) -> list[str]:
+        """`n` slot names for a pool (its current pods, as the planner counts them)."""
+        self._next[kind] = max(self._next[kind], n)
+        return [f"{self.deployments[kind]}/{i}" for i in range(n)]
+
+    def spawn(self, kind: str) -> str:
+        deployment = self.deployments[kind]
+        n, _ = self.client.replicas(deployment)
+        self.client.set_replicas(deployment, n + 1)
+        name = f"{deployment}/{self._next[kind]}"
+        self._next[kind] += 1
+        return name
+
+    def drain(self, kind: str, name: str) -> None:
+        deployment = self.deployments[kind]
+        n, _ = self.client.replicas(deployment)
+        self.client.set_replicas(deployment, max(0, n - 1))
+
+    def exited(self, name: str) -> bool:
+        deployment = name.rsplit("/", 1)[0]
+        _, selector = self.client.replicas(deployment)
+        return not any(p.get("metadata", {}).get("deletionTimestamp") for p in self.client.pods(selector))
+
+    def gateway_urls(self, deployment: str, port: int) -> list[str]:
+        """The gateway pods that are ready now (each is scraped: behind the Service each scrape
+        would reach another one, and their counters are their own)."""
+        _, selector = self.client.replicas(deployment)
+        return [f"http://{p['status']['podIP']}:{port}" for p in self.client.pods(selector)
+                if _ready(p) and not p.get("metadata", {}).get("deletionTimestamp") and p.get("status", {}).get("podIP")]
+
+
+class KubePlanner:
+    """The loop: adopt counts changed outside, then LiveAutoscaler.tick (observe, decide, write)."""
+
+    def __init__(self, config: AutoscaleConfig, actuator: KubeActuator, gateway: str, gateway_port: int,
+                 clock=time.monotonic):
+        self.actuator = actuator
+        counts = actuator.counts()
+        initial = {kind: actuator.names(kind, counts[kind]) for kind in KINDS}
+        watcher = MetricsWatcher(lambda: actuator.gateway_urls(gateway, gateway_port))
+        self.live = LiveAutoscaler(config, "", actuator, initial, watcher=watcher, clock=clock)
+
+    def adopt(self) -> None:
+        """Replica counts set by someone else (kubectl scale / apply) become the planner's count."""
+        scaler = self.live.autoscaler
+        for kind, n in self.actuator.counts().items():
+            pool = scaler.pools[kind]
+            if n != len(pool.active):
+                log.warning("planner: %s has %d replicas, the planner counted %d: adopting %d", kind, n,
+                            len(pool.active), n)
+                pool.active = self.actuator.names(kind, n)
+                pool.hot = pool.cold = pool.since_change = 0  # a change: its effect is seen before the next
+
+    def tick(self):
+        if self.live.due():
+            self.adopt()
+        return self.live.tick()
+
+
+def add_planner_args(p: argparse.ArgumentParser) -> None:
+    k = p.add_argument_group("Kubernetes")
+    k.add_argument("--kube-api", default=None,
+                   help="the API server's URL (default: this pod's, with its service account)")
+    k.add_argument("--kube-token-file", type=Path, default=None, help="a bearer token file (with --kube-api)")
+    k.add_argument("--kube-ca-file", type=Path, default=None, help="the API server's CA (with an https --kube-api)")
+    k.add_argument("--namespace", default=None, help="default: this pod's namespace")
+    k.add_argument("--gateway-deployment", default="gateway")
+    k.add_argument("--gateway-port", type=int, default=8000)
+    k.add_argument("--prefill-deployment", default="prefill")
+    k.add_argument("--decode-deployment", default="decode")
+    add_limit_args(p.add_argument_group("pools, budget (pods) and SLOs"), max_per_pool=8, what="pods")
+
+
+def planner_from_args(args) -> KubePlanner:
+    if args.kube_api:
+        client = KubeClient(args.kube_api, args.namespace or "default", args.kube_token_file, args.kube_ca_file)
+    else:
+        client = KubeClient.in_cluster(args.namespace)
+    actuator = KubeActuator(client, {"prefill": args.prefill_deployment, "decode": args.decode_deployment})
+    return KubePlanner(limits_config(args), actuator, args.gateway_deployment, args.gateway_port)
+
+
+def cmd_planner(args) -> int:
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = limits_config(args)
+    log.info("%s", config.describe().replace("processes", "pods"))
+    planner = planner_from_args(args)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    while not stop.is_set():
+        try:
+            planner.tick()
+        except OSError as exc:  # the API server or a gateway unreachable: decide nothing blind, retry
+            log.warning("planner: %s; retrying next interval", exc)
+        stop.wait(min(1.0, config.interval_s / 5))
+    return 0

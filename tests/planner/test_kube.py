@@ -1,0 +1,256 @@
+"""`pdserve planner` on Kubernetes: the live planner's decisions written as replica counts.
+
+There is no Kubernetes cluster on this machine (and none to download), so the API server here is a
+stand-in: the few endpoints the planner calls (a Deployment's scale subresource, a label-selected
+pod list), with the behaviour the planner depends on — a scale-down leaves the pod it removes
+terminating (deletionTimestamp set) until its worker has drained and exited, and every call must
+carry the service account's bearer token. The gateways are real HTTP servers serving Prometheus
+text on two loopback addresses, scraped as pods."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from services.planner.autoscale import AutoscaleConfig, MetricsWatcher
+from services.planner.kube import KubeActuator, KubeClient, KubePlanner
+from shared.transport.servers import free_port
+
+TOKEN = "sa-token"
+NS = "pdserve"
+
+
+class StandInKube:
+    """Deployments as {name: replicas} and their pods; scaling creates ready pods or marks the
+    newest ones terminating. `exit_terminating` is the kubelet seeing a drained worker exit."""
+
+    def __init__(self, replicas: dict[str, int], gateway_ips: list[str]):
+        self.lock = threading.Lock()
+        self.replicas = dict(replicas)
+        self.pods: dict[str, list[dict]] = {d: [] for d in replicas}
+        self.patches: list[tuple[str, int]] = []
+        self.serial = 0
+        for d in replicas:
+            self._reconcile(d)
+        self.pods["gateway"] = [self._pod("gateway", ip) for ip in gateway_ips]
+        self.replicas["gateway"] = len(gateway_ips)
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, code, body):
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _route(self, method):
+                if self.headers.get("Authorization") != f"Bearer {TOKEN}":
+                    return self._send(401, {"kind": "Status", "code": 401})
+                url = urllib.parse.urlsplit(self.path)
+                parts = url.path.strip("/").split("/")
+                with stand_in.lock:
+                    if parts[:5] == ["apis", "apps", "v1", "namespaces", NS] and parts[5] == "deployments" \
+                            and parts[7:] == ["scale"] and parts[6] in stand_in.replicas:
+                        d = parts[6]
+                        if method == "PATCH":
+                            assert self.headers["Content-Type"] == "application/merge-patch+json"
+                            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                            stand_in.replicas[d] = body["spec"]["replicas"]
+                            stand_in.patches.append((d, body["spec"]["replicas"]))
+                            stand_in._reconcile(d)
+                        return self._send(200, {"kind": "Scale", "spec": {"replicas": stand_in.replicas[d]},
+                                                "status": {"replicas": stand_in.replicas[d],
+                                                           "selector": f"app.kubernetes.io/component={d}"}})
+                    if parts == ["api", "v1", "namespaces", NS, "pods"] and method == "GET":
+                        selector = urllib.parse.parse_qs(url.query)["labelSelector"][0]
+                        d = selector.split("=", 1)[1]
+                        return self._send(200, {"kind": "PodList", "items": list(stand_in.pods.get(d, []))})
+                return self._send(404, {"kind": "Status", "code": 404})
+
+            def do_GET(self):
+                self._route("GET")
+
+            def do_PATCH(self):
+                self._route("PATCH")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def _pod(self, d: str, ip: str = "127.0.0.1") -> dict:
+        self.serial += 1
+        return {"metadata": {"name": f"{d}-{self.serial}", "labels": {"app.kubernetes.io/component": d}},
+                "status": {"podIP": ip, "phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}
+
+    def _reconcile(self, d: str) -> None:
+        live = [p for p in self.pods[d] if "deletionTimestamp" not in p["metadata"]]
+        for _ in range(self.replicas[d] - len(live)):
+            self.pods[d].append(self._pod(d))
+        for pod in reversed(live[self.replicas[d]:] if len(live) > self.replicas[d] else []):
+            pod["metadata"]["deletionTimestamp"] = "2026-12-04T00:00:00Z"  # SIGTERM sent: draining
+
+    def exit_terminating(self) -> None:
+        with self.lock:
+            for d in self.pods:
+                self.pods[d] = [p for p in self.pods[d] if "deletionTimestamp" not in p["metadata"]]
+
+    def scale_outside(self, d: str, n: int) -> None:  # kubectl scale
+        with self.lock:
+            self.replicas[d] = n
+            self._reconcile(d)
+
+    def terminating(self, d: str) -> int:
+        return sum(1 for p in self.pods[d] if "deletionTimestamp" in p["metadata"])
+
+    def close(self):
+        self.server.shutdown()
+
+
+class Gateway:
+    """A gateway's /metrics on one loopback address: cumulative TTFT/ITL histograms and counters the
+    test advances, plus the workers' gauges every gateway repeats."""
+
+    BUCKETS = (0.01, 0.02, 0.04, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+    def __init__(self, ip: str, port: int):
+        self.requests = self.waiting = self.count_itl = self.count_ttft = 0
+        self.itl, self.ttft = dict.fromkeys(self.BUCKETS, 0), dict.fromkeys(self.BUCKETS, 0)
+        gw = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                data = gw.page().encode()
+                self.send_response(200 if self.path == "/metrics" else 404)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer((ip, port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def serve(self, n: int, itl_s: float, ttft_s: float = 0.2) -> None:
+        """`n` more requests, each with 10 token gaps of `itl_s` and a first token after `ttft_s`."""
+        self.requests += n
+        for b in self.BUCKETS:
+            self.itl[b] += 10 * n if itl_s <= b else 0
+            self.ttft[b] += n if ttft_s <= b else 0
+        self.count_itl += 10 * n
+        self.count_ttft += n
+
+    def page(self) -> str:
+        lines = [f'pdserve_requests_total{{status="ok"}} {self.requests}',
+                 f'pdserve_requests_waiting{{service="gateway",instance="{id(self)}"}} {self.waiting}',
+                 'pdserve_requests_waiting{service="decode",instance="decode-0"} 0']
+        for name, hist, total in (("pdserve_inter_token_latency_seconds", self.itl, self.count_itl),
+                                  ("pdserve_time_to_first_token_seconds", self.ttft, self.count_ttft)):
+            lines += [f'{name}_bucket{{le="{b}"}} {c}' for b, c in hist.items()]
+            lines.append(f'{name}_bucket{{le="+Inf"}} {total}')
+        return "\n".join(lines) + "\n"
+
+    def close(self):
+        self.server.shutdown()
+
+
+@pytest.fixture
+def system(tmp_path):
+    port = free_port()
+    gateways = [Gateway("127.0.0.1", port), Gateway("127.0.0.2", port)]
+    kube = StandInKube({"prefill": 1, "decode": 1}, ["127.0.0.1", "127.0.0.2"])
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    client = KubeClient(kube.url, NS, token_file=token)
+    yield kube, gateways, client, port
+    kube.close()
+    for g in gateways:
+        g.close()
+
+
+CONFIG = AutoscaleConfig(min_prefill=1, max_prefill=2, min_decode=1, max_decode=4, budget=4, interval_s=1.0,
+                         up_after=2, down_after=4, cooldown=1, slo_ttft_p90_s=2.0, slo_itl_p90_s=0.05)
+
+
+def test_decisions_become_replica_counts_within_the_budget_and_drains_finish_first(system):
+    kube, gateways, client, port = system
+    clock = [0.0]
+    planner = KubePlanner(CONFIG, KubeActuator(client, {"prefill": "prefill", "decode": "decode"}), "gateway", port,
+                          clock=lambda: clock[0])
+
+    def interval(itl_s=None):
+        if itl_s is not None:
+            for g in gateways:
+                g.serve(5, itl_s)
+        planner.tick()
+        clock[0] += CONFIG.interval_s
+
+    interval()  # the baseline scrape
+    for _ in range(12):  # decode's ITL p90 at 0.1 s, twice its SLO, on both gateways: hot
+        interval(itl_s=0.1)
+    decode_patches = [n for d, n in kube.patches if d == "decode"]
+    assert decode_patches[:2] == [2, 3], kube.patches  # one at a time, after `up_after` hot intervals
+    assert kube.replicas["decode"] == 3 and kube.replicas["prefill"] == 1  # the budget (4) stops it at 3
+    assert all(d == "decode" for d, _ in kube.patches)  # prefill's TTFT (0.2 s) is within its SLO
+
+    for _ in range(6):  # traffic stops: cold; one drain, then its pod terminating holds the budget
+        interval()
+    assert kube.replicas["decode"] == 2 and kube.terminating("decode") == 1
+    planner_pools = planner.live.autoscaler.pools
+    assert len(planner_pools["decode"].draining) == 1
+    for _ in range(6):  # still terminating (draining): it counts; no further removal beyond the minimum rules
+        interval()
+    assert planner.live.autoscaler.processes <= CONFIG.budget
+    kube.exit_terminating()  # the drained workers have exited
+    for _ in range(12):
+        interval()
+        kube.exit_terminating()
+    assert kube.replicas == {"prefill": 1, "decode": 1, "gateway": 2}  # down to the minimum
+    assert not planner_pools["decode"].draining
+
+    kube.scale_outside("decode", 3)  # kubectl scale: adopted, not fought at once
+    for _ in range(CONFIG.down_after - 1):  # its cold streak starts again with the adopted count
+        interval()
+        assert len(planner_pools["decode"].active) == 3 and kube.replicas["decode"] == 3
+    interval()  # then judged like any count: cold, so back towards the minimum
+    assert kube.replicas["decode"] == 2
+
+
+def test_gateways_are_scraped_one_by_one_and_summed():
+    """Two gateways, each its own counters: the interval's p90 is over both; one restarting (its
+    counters back at zero) only sets its baseline; the workers' gauge, repeated by both, counts once."""
+    pages = {"a": [], "b": []}
+
+    def page(requests, fast, slow, waiting_decode):
+        return "\n".join([f'pdserve_requests_total{{status="ok"}} {requests}',
+                          f'pdserve_inter_token_latency_seconds_bucket{{le="0.02"}} {fast}',
+                          f'pdserve_inter_token_latency_seconds_bucket{{le="0.5"}} {fast + slow}',
+                          f'pdserve_inter_token_latency_seconds_bucket{{le="+Inf"}} {fast + slow}',
+                          f'pdserve_requests_waiting{{service="decode",instance="d0"}} {waiting_decode}'])
+
+    pages["a"] = iter([page(0, 0, 0, 3), page(10, 100, 0, 3), page(0, 0, 0, 3)])
+    pages["b"] = iter([page(5, 0, 0, 3), page(15, 0, 100, 3), page(25, 0, 105, 3)])
+    watcher = MetricsWatcher(lambda: ["http://a", "http://b"], fetch=lambda url: next(pages[url[7]]))
+    watcher.observe()
+    both = watcher.observe()
+    assert both.requests == 20 and both.itl_p90_s == 0.5 and both.decode_waiting == 3
+    after_restart = watcher.observe()  # a's counters reset: only b's 10 requests and 5 slow gaps count
+    assert after_restart.requests == 10 and after_restart.itl_p90_s == 0.5
+
+
+def test_calls_carry_the_token_and_a_bad_one_is_an_error(system, tmp_path):
+    kube, _, client, _ = system
+    assert client.replicas("decode") == (1, "app.kubernetes.io/component=decode")
+    bad = tmp_path / "bad"
+    bad.write_text("nope")
+    with pytest.raises(OSError, match="401"):
+        KubeClient(kube.url, NS, token_file=bad).replicas("decode")
