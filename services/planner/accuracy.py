@@ -27,6 +27,7 @@ log = logging.getLogger("pdserve.accuracy")
 METRICS = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("itl_ms", "p50"), ("itl_ms", "p90"), ("request_throughput", None),
            ("tpot_ms", "p50"))
 ASSERTED = {"ttft_p50", "ttft_p90", "itl_p50", "itl_p90", "request_throughput"}
+INPUTS = {"case", "tokens_per_event"}  # a row's keys that are not compared metrics
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,11 @@ CASES = (
 LONG_LEN, LONG_OUT, WARMUP_S, LONG_INTERVAL_S = (600, 1200), (16, 32), 3.0, 4.0
 
 
-def _real(url: str, gguf: str, case: Case, seed: int) -> dict[str, Any]:
+def _real(url: str, gguf: str, case: Case, seed: int) -> tuple[dict[str, Any], float]:
+    """The case's summary, and the tokens per event its streams got (its speculative acceptance:
+    a property of the workload and of what the proposer has seen, which the simulator is told)."""
     from services.bench.runner import BenchConfig, run_benchmark
+    from services.planner.calibrate import tokens_per_event
 
     common = dict(workload=case.workload, prompt_tokens=case.input_len, output_tokens=case.output_len,
                   tokenizer=gguf, progress=False, seed=seed)
@@ -62,9 +66,11 @@ def _real(url: str, gguf: str, case: Case, seed: int) -> dict[str, Any]:
                           long_interval_s=LONG_INTERVAL_S, long_prompt_tokens=LONG_LEN, long_output_tokens=LONG_OUT,
                           interference_phases=("long",), **common)
         run = run_benchmark(cfg).runs[0]
-        return run.summary["by_kind"]["chat"] | {"request_throughput": run.summary["request_throughput"]}
+        return (run.summary["by_kind"]["chat"] | {"request_throughput": run.summary["request_throughput"]},
+                tokens_per_event([r for r in run.records if r.kind == "chat"]))
     cfg = BenchConfig(url, num_requests=case.num_requests, request_rates=(case.rate,), **common)
-    return run_benchmark(cfg).runs[0].summary
+    run = run_benchmark(cfg).runs[0]
+    return run.summary, tokens_per_event(run.records)
 
 
 def _simulated(profile, case: Case, seed: int) -> dict[str, Any]:
@@ -119,26 +125,27 @@ def compare(cases=CASES, seed: int = 4242, quick_profile: bool = True) -> dict[s
         wait_healthy(stack, url, timeout=180)
         profile = calibrate(engine_profile, measure_stack(url, gguf))
         for i, case in enumerate(cases):
-            real = _real(url, gguf, case, seed + i)
-            sim = _simulated(profile, case, seed + i)
-            row = {"case": case.name}
+            real, tau = _real(url, gguf, case, seed + i)
+            sim = _simulated(profile.with_tokens_per_event(tau), case, seed + i)
+            row = {"case": case.name, "tokens_per_event": tau}
             for metric, q in METRICS:
                 key = metric.replace("_ms", "") + (f"_{q}" if q else "")
                 r, s = _value(real, metric, q), _value(sim, metric, q)
                 row[key] = {"real": r, "sim": s, "error": (s - r) / r if r else math.inf}
             rows.append(row)
-            log.info("%s: %s", case.name, {k: f"{v['error']:+.0%}" for k, v in row.items() if k != "case"})
+            log.info("%s (%.2f tokens per event): %s", case.name, tau,
+                     {k: f"{v['error']:+.0%}" for k, v in row.items() if k not in INPUTS})
     finally:
         stack.stop()
     return {"rows": rows, "calibration": profile.meta.get("calibration"), "wall_s": time.perf_counter() - t0}
 
 
 def format_table(result: dict[str, Any]) -> str:
-    keys = [k for k in result["rows"][0] if k != "case"]
-    lines = ["| case | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    keys = [k for k in result["rows"][0] if k not in INPUTS]
+    lines = ["| case | tokens/event | " + " | ".join(keys) + " |", "|---" * (len(keys) + 2) + "|"]
     for row in result["rows"]:
         cells = [f"{row[k]['sim']:.4g} / {row[k]['real']:.4g} ({row[k]['error']:+.0%})" for k in keys]
-        lines.append(f"| {row['case']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {row['case']} | {row.get('tokens_per_event', 1.0):.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -7,22 +7,36 @@ prefill worker runs at nice 10, so it yields first). Three short runs against a 
 it, each pool on its own:
 
     prefill   batch-1 TTFT at two prompt lengths:  TTFT = s_p · prefill step + request overhead
-    decode    TPOT at batch 1 and batch `high_batch`: TPOT = s_d · decode step  (s_d: their geometric mean)
-    events    tokens per streamed event = ITL / TPOT (speculative decoding delivers several a step;
-              1 without it): the simulator groups that many token gaps into one event gap
+    decode    the event gap (one step), in two parts: per request of the batch-1 run, (tokens per
+              event τ, mean gap) fitted as gap = plain + spec·(τ − 1) (a speculative step verifies
+              longer drafts when more of them are kept; per step, see Profile.spec_token_s); then
+              the plain step's base, per-sequence and context parts of the profiled step scaled apart
+              to meet batch 1 at 128 and 768 tokens of context and batch `high_batch` (one common
+              factor when noise puts the solution outside ×0.05–20; on 2 shared cores the
+              per-sequence part comes out small: from 2 sequences a decode step borrows the idle
+              prefill worker's core)
+    events    tokens per streamed event τ (speculative decoding delivers several a step; 1 without
+              it): the simulator's decode fit is per token, step ÷ τ, and it groups τ token gaps into
+              one event gap. τ is the workload's, not the machine's: the same requests got 1.8 and
+              2.9 tokens an event in two runs, the second time the suffix proposer had seen their
+              answers. `Profile.with_tokens_per_event` moves a profile to another workload's τ.
+    spread    the event gaps' quantiles ÷ their mean (each request's first gap left out: the
+              simulator models the KV move in it): how far one step's gap strays from the mean
+              when draft lengths vary and threads are descheduled; the simulator spreads its gaps so
 
-and the profile's fits are scaled by s_p and s_d. A multiplicative decode slowdown, rather than a
-two-point line, because on a shared machine the two points are often noisier than their difference.
-Measured, not assumed: run it in the same conditions as the runs it should predict.
+and the profile's fits are scaled by what these give. Measured, not assumed: run it in the same
+conditions as the runs it should predict (answers as long as theirs: the speculative proposer's
+acceptance grows with what it has seen).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import math
 import tempfile
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from shared.sim.cost import DecodeFit, PrefillFit, Profile
 
@@ -37,9 +51,55 @@ class CalibrationRun:
     itl_mean_s: float
     ttft_p50_s: float
     tpot_mean_s: float = 0.0  # (E2E − TTFT) / (tokens − 1), per request, averaged
+    gap_quantiles: tuple[float, ...] = ()  # event gap ÷ the run's mean gap at SHAPE_POINTS (first gaps left out)
+    # per request: (tokens per event, mean event gap in s), each after its first event, first gap left out
+    per_request: tuple[tuple[float, float], ...] = ()
+
+    @property
+    def tokens_per_event(self) -> float:
+        return sum(t for t, _ in self.per_request) / len(self.per_request) if self.per_request else 1.0
+
+    @property
+    def event_gap_s(self) -> float:
+        return sum(g for _, g in self.per_request) / len(self.per_request) if self.per_request else self.itl_mean_s
 
 
-RUNS = ((1, 128, 24), (1, 768, 4), (4, 128, 24))  # (concurrency, prompt tokens, output tokens)
+# (concurrency, prompt tokens, output tokens): answers as long as the cases' (24-48 tokens)
+RUNS = ((1, 128, 40), (1, 768, 12), (4, 128, 40))
+SHAPE_POINTS = tuple((i + 0.5) / 20 for i in range(20))
+
+
+def later_gaps(record) -> list[float]:
+    """A request's event gaps after its second event (the first decode gap also carries the KV
+    move, which the simulator models itself)."""
+    t = record.token_times_s
+    return [b - a for a, b in zip(t[1:], t[2:])]
+
+
+def tokens_per_event(records) -> float:
+    """Tokens a stream got per event after its first one, over `records` (a workload's acceptance
+    with speculative decoding: 1 without it)."""
+    events = sum(len(r.token_times_s) - 1 for r in records if r.ok and len(r.token_times_s) > 1)
+    tokens = sum(r.output_tokens - 1 for r in records if r.ok and len(r.token_times_s) > 1)
+    return max(1.0, tokens / events) if events else 1.0
+
+
+def gap_quantiles(records) -> tuple[float, ...]:
+    """Quantiles of a run's event gaps (each request's first one left out) ÷ their mean."""
+    gaps = sorted(g for r in records if r.ok for g in later_gaps(r))
+    if len(gaps) < 10:
+        return ()
+    mean = sum(gaps) / len(gaps)
+    return tuple(gaps[min(len(gaps) - 1, int(q * len(gaps)))] / mean for q in SHAPE_POINTS)
+
+
+def per_request(records) -> tuple[tuple[float, float], ...]:
+    out = []
+    for r in records:
+        gaps = later_gaps(r) if r.ok else []
+        if len(gaps) >= 2:
+            out.append((tokens_per_event([r]), sum(gaps) / len(gaps)))
+    return tuple(out)
 
 
 def measure_stack(base_url: str, gguf: str | None, high_batch: int = 4, seed: int = 9000) -> list[CalibrationRun]:
@@ -54,17 +114,37 @@ def measure_stack(base_url: str, gguf: str | None, high_batch: int = 4, seed: in
     runs = []
     for k, (batch, prompt, out) in enumerate(RUNS):
         batch = high_batch if batch > 1 else 1
-        cfg = BenchConfig(base_url, workload="chat", num_requests=2 * batch + 1, max_concurrency=batch,
-                          prompt_tokens=(prompt, prompt), output_tokens=(out, out), tokenizer=gguf, progress=False,
-                          seed=seed + k)
-        s = run_benchmark(cfg).runs[0].summary
+        cfg = BenchConfig(base_url, workload="chat", num_requests=3 * batch + 5 if prompt < 512 else 3,
+                          max_concurrency=batch, prompt_tokens=(prompt, prompt), output_tokens=(out, out),
+                          tokenizer=gguf, progress=False, seed=seed + k)
+        run = run_benchmark(cfg).runs[0]
+        s = run.summary
         if s["failed"]:
             raise RuntimeError(f"calibration run at batch {batch}: {s['failed']} requests failed")
         runs.append(CalibrationRun(batch, prompt, out, s["itl_ms"]["mean"] / 1e3, s["ttft_ms"]["p50"] / 1e3,
-                                   s["tpot_ms"]["mean"] / 1e3))
-        log.info("calibration batch %d, %d-token prompts: ITL mean %.1f ms, TPOT mean %.1f ms, TTFT p50 %.1f ms",
-                 batch, prompt, s["itl_ms"]["mean"], s["tpot_ms"]["mean"], s["ttft_ms"]["p50"])
+                                   s["tpot_ms"]["mean"] / 1e3, gap_quantiles(run.records), per_request(run.records)))
+        log.info("calibration batch %d, %d-token prompts: ITL mean %.1f ms, TPOT mean %.1f ms, TTFT p50 %.1f ms, "
+                 "%.2f tokens per event", batch, prompt, s["itl_ms"]["mean"], s["tpot_ms"]["mean"], s["ttft_ms"]["p50"],
+                 runs[-1].tokens_per_event)
     return runs
+
+
+def spec_token_cost(points: tuple[tuple[float, float], ...]) -> tuple[float, float]:
+    """(event gap at one token an event, seconds per extra token) by least squares over the
+    requests' (tokens per event, mean gap); (mean gap, 0) when they do not show a rising line."""
+    n = len(points)
+    mean_gap = sum(g for _, g in points) / n if n else 0.0
+    if n < 3:
+        return mean_gap, 0.0
+    mt = sum(t for t, _ in points) / n
+    var = sum((t - mt) ** 2 for t, _ in points)
+    if var < 0.05 * n:  # acceptance too alike across requests to read a slope from
+        return mean_gap, 0.0
+    slope = sum((t - mt) * (g - mean_gap) for t, g in points) / var
+    intercept = mean_gap - slope * (mt - 1)
+    if slope <= 0 or intercept <= 0:
+        return mean_gap, 0.0
+    return intercept, slope
 
 
 def calibrate(profile: Profile, runs: list[CalibrationRun]) -> Profile:
@@ -74,25 +154,48 @@ def calibrate(profile: Profile, runs: list[CalibrationRun]) -> Profile:
     def prefill(r: CalibrationRun) -> float:
         return profile.prefill_time(r.prompt_tokens, r.prompt_tokens ** 2 / 2, 1)
 
-    def decode(r: CalibrationRun) -> float:  # mean context over the answer
-        return profile.decode_time(r.batch, r.batch * (r.prompt_tokens + r.output_tokens // 2))
-
     s_p = (long.ttft_p50_s - short.ttft_p50_s) / (prefill(long) - prefill(short))
     if not 0.5 <= s_p <= 50:  # the difference drowned in noise: the long prompt alone
         s_p = long.ttft_p50_s / prefill(long)
     request_overhead = max(0.0, short.ttft_p50_s - s_p * prefill(short))
-    s_d = math.sqrt(short.tpot_mean_s / decode(short) * wide.tpot_mean_s / decode(wide))
-    tau = max(1.0, math.sqrt(short.itl_mean_s / short.tpot_mean_s * wide.itl_mean_s / wide.tpot_mean_s))
-    d, p = profile.decode, profile.prefill
-    decode_fit = DecodeFit(s_d * d.base_s, s_d * d.per_seq_s, s_d * d.per_ctx_token_s)
+
+    # decode, in events: a served step at one token an event (plain decoding) at batch 1 at short
+    # and long context and at the wide batch, and what each further token an event adds to a step
+    # (longer drafts verified). The profile's base, per-sequence and context parts are scaled apart
+    # so that all three served points are met (one common factor when noise makes that meaningless)
+    plain1, spec = spec_token_cost(short.per_request)
+    if spec == 0.0:
+        plain1 = short.event_gap_s
+    points = [(short, plain1)] + [(r, r.event_gap_s - spec * (r.tokens_per_event - 1)) for r in (long, wide)]
+    d = profile.decode
+    parts = np.array([[d.base_s, d.per_seq_s * r.batch, d.per_ctx_token_s * r.batch * (r.prompt_tokens + r.output_tokens // 2)]
+                      for r, _ in points])
+    target = np.array([g for _, g in points])
+    try:
+        s_base, s_seq, s_ctx = np.linalg.solve(parts, target)
+    except np.linalg.LinAlgError:
+        s_base = s_seq = s_ctx = 0.0
+    if not all(0.05 <= x <= 20 for x in (s_base, s_seq, s_ctx)):
+        s_base = s_seq = s_ctx = plain1 / parts[0].sum()
+    tau = short.tokens_per_event
+    shapes = [r.gap_quantiles for r in (short, wide) if r.gap_quantiles]
+    shape = tuple(sum(col) / len(col) for col in zip(*shapes)) if shapes else (1.0,)
+    shape = tuple(max(q, 1e-3) / (sum(shape) / len(shape)) for q in shape)  # mean exactly 1
+    p = profile.prefill
+    plain_fit = DecodeFit(s_base * d.base_s, s_seq * d.per_seq_s, s_ctx * d.per_ctx_token_s)
     prefill_fit = PrefillFit(s_p * p.base_s, s_p * p.per_token_s, s_p * p.per_attn_pair_s, s_p * p.per_seq_s)
-    meta = dict(profile.meta) | {"calibration": {"prefill_slowdown": s_p, "decode_slowdown": s_d,
-                                                 "request_overhead_s": request_overhead, "tokens_per_event": tau,
-                                                 "runs": [r.__dict__ for r in runs]}}
-    log.info("calibration: prefill ×%.2f, decode ×%.2f, request overhead %.1f ms, %.2f tokens per event", s_p, s_d,
-             1e3 * request_overhead, tau)
-    return replace(profile, prefill=prefill_fit, decode=decode_fit, request_overhead_s=request_overhead,
-                   tokens_per_event=tau, meta=meta)
+    meta = dict(profile.meta) | {"calibration": {
+        "prefill_slowdown": s_p, "decode_slowdown": {"base": s_base, "per_seq": s_seq, "per_ctx_token": s_ctx},
+        "spec_token_s": spec, "request_overhead_s": request_overhead, "tokens_per_event": tau, "itl_shape": shape,
+        "runs": [r.__dict__ for r in runs]}}
+    log.info("calibration: prefill ×%.2f, decode base ×%.2f, per sequence ×%.2f, per context token ×%.2f, "
+             "%.1f ms more a step per token an event, "
+             "request overhead %.1f ms, %.2f tokens per event, event gaps p10/p50/p90 at ×%.2f/%.2f/%.2f of the mean",
+             s_p, s_base, s_seq, s_ctx, 1e3 * spec, 1e3 * request_overhead, tau, shape[len(shape) // 10],
+             shape[len(shape) // 2], shape[len(shape) * 9 // 10])
+    plain = replace(profile, prefill=prefill_fit, decode=plain_fit, request_overhead_s=request_overhead,
+                    tokens_per_event=1.0, spec_token_s=spec, itl_shape=shape, meta=meta)
+    return plain.with_tokens_per_event(tau)
 
 
 def engine_up_args(engine) -> list[str]:

@@ -132,7 +132,7 @@ class Cluster:
         self.cache = PrefixCache(lim.kvstore_slots * hosts) if config.prefix_caching else None
         self.kind_names = list(kinds)
         self.kind_ids = {k: i for i, k in enumerate(self.kind_names)}
-        self.rec = Recorder(self.kind_names, itl_from_s, profile.tokens_per_event)
+        self.rec = Recorder(self.kind_names, itl_from_s, profile.tokens_per_event, profile.itl_shape)
         self.reqs: list[SimRequest] = []
         self.heap: list = []
         self.seq_no = itertools.count()

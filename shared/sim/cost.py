@@ -16,7 +16,7 @@ KV transfer (prefill → kvstore → decode) is base + per_byte·bytes, per path
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +92,17 @@ class Profile:
     # tokens a stream receives per event (speculative decoding: a step verifies several and keeps
     # the accepted ones); the decode fit is then per token, and an event's gap spans this many
     tokens_per_event: float = 1.0
+    # the spread of a stream's event gaps around their mean, as measured by a calibration: quantiles
+    # of gap ÷ mean (mean 1). A simulated gap g stands for g·q for each q, equally weighted: draft
+    # lengths that vary step to step and threads descheduled on shared cores, which the step fits
+    # (means) do not carry. (1.0,): no spread.
+    itl_shape: tuple[float, ...] = (1.0,)
+    # what one more token per event adds to a decode step: a speculative step verifies the drafts
+    # it keeps (and some it rejects), so the more a workload's drafts are accepted, the longer its
+    # events and the shorter its time per token (`with_tokens_per_event`). Counted per step, not
+    # per sequence: measured on 2 shared cores it did not grow with the batch (from 2 sequences a
+    # decode step borrows the idle prefill worker's core)
+    spec_token_s: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -101,6 +112,21 @@ class Profile:
             raise ValueError("profile: request_overhead_s must be >= 0")
         if not self.tokens_per_event >= 1:
             raise ValueError(f"profile: tokens_per_event must be >= 1, got {self.tokens_per_event}")
+        if not self.itl_shape or min(self.itl_shape) <= 0:
+            raise ValueError(f"profile: itl_shape must be positive factors, got {self.itl_shape}")
+
+    def with_tokens_per_event(self, tau: float) -> Profile:
+        """This profile for a workload whose streams get `tau` tokens an event (its drafts accepted
+        more or less often than the calibration's): a step grows by `spec_token_s` for each extra
+        token, and the decode fit (per token) is that step ÷ τ."""
+        if not tau >= 1:
+            raise ValueError(f"tokens per event must be >= 1, got {tau}")
+        t0, d = self.tokens_per_event, self.decode
+        base = (d.base_s * t0 + self.spec_token_s * (tau - t0)) / tau
+        if base < 0:
+            raise ValueError(f"tokens per event {tau}: below what this profile's calibration can extrapolate to")
+        fit = DecodeFit(base, d.per_seq_s * t0 / tau, d.per_ctx_token_s * t0 / tau)
+        return replace(self, decode=fit, tokens_per_event=tau)
 
     # ----------------------------------------------------------------------------- step times
 
@@ -130,7 +156,7 @@ class Profile:
     def to_json(self) -> dict[str, Any]:
         return {"version": PROFILE_VERSION, "meta": self.meta, "limits": self.limits.__dict__,
                 "request_overhead_s": self.request_overhead_s, "tokens_per_event": self.tokens_per_event,
-                "prefill": {"fit": self.prefill.__dict__}, "decode": {"fit": self.decode.__dict__},
+                "itl_shape": list(self.itl_shape), "spec_token_s": self.spec_token_s, "prefill": {"fit": self.prefill.__dict__}, "decode": {"fit": self.decode.__dict__},
                 "kv_transfer": {path: {"write": t.write.__dict__, "read": t.read.__dict__}
                                 for path, t in self.transfer.items()}}
 
@@ -144,7 +170,9 @@ class Profile:
             return cls(prefill=PrefillFit(**data["prefill"]["fit"]), decode=DecodeFit(**data["decode"]["fit"]),
                        transfer=transfer, limits=EngineLimits(**data.get("limits", {})),
                        request_overhead_s=float(data.get("request_overhead_s", 0.0)),
-                       tokens_per_event=float(data.get("tokens_per_event", 1.0)), meta=data.get("meta", {}))
+                       tokens_per_event=float(data.get("tokens_per_event", 1.0)),
+                       itl_shape=tuple(float(q) for q in data.get("itl_shape", (1.0,))),
+                       spec_token_s=float(data.get("spec_token_s", 0.0)), meta=data.get("meta", {}))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"profile: malformed ({exc})") from None
 

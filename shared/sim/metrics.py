@@ -61,6 +61,29 @@ class ItlHistogram:
             acc += c
         return self.hi
 
+    def spread(self, shape: tuple[float, ...]) -> ItlHistogram:
+        """This distribution with each gap g replaced by g·q for every q in `shape`, equally weighted
+        (a convolution in log space: a factor is a shift by a whole number of bins)."""
+        if tuple(shape) == (1.0,) or self.n <= 0:
+            return self
+        counts = np.asarray(self.counts)
+        out = np.zeros_like(counts)
+        for q in shape:
+            shift = int(round(math.log(q) * BINS_PER_E))
+            src = counts[max(0, -shift):HIST_BINS - max(0, shift)]
+            out[max(0, shift):max(0, shift) + src.size] += src
+            # (mass shifted past either end piles up in the end bin)
+            if shift > 0:
+                out[-1] += counts[HIST_BINS - shift:].sum()
+            elif shift < 0:
+                out[0] += counts[:-shift].sum()
+        h = ItlHistogram()
+        h.counts = list(out / len(shape))
+        h.n = self.n
+        h.total = self.total * sum(shape) / len(shape)
+        h.lo, h.hi = self.lo * min(shape), self.hi * max(shape)
+        return h
+
     def summary_ms(self) -> dict[str, float] | None:
         if self.n <= 0:
             return None
@@ -73,9 +96,11 @@ class ItlHistogram:
 class Recorder:
     """Per-request times and the ITL histograms; the engines call `token` and `span_tokens`."""
 
-    def __init__(self, kinds: list[str], itl_from_s: float | None = None, tokens_per_event: float = 1.0):
+    def __init__(self, kinds: list[str], itl_from_s: float | None = None, tokens_per_event: float = 1.0,
+                 itl_shape: tuple[float, ...] = (1.0,)):
         self.kinds = kinds
         self.tau = tokens_per_event
+        self.itl_shape = tuple(itl_shape)
         self.itl_from_s = -math.inf if itl_from_s is None else itl_from_s
         self.hists = [ItlHistogram() for _ in kinds]
         self.arrival: list[float] = []
@@ -199,7 +224,7 @@ class Recorder:
             "duration_s": duration_s, "total_input_tokens": ins, "total_output_tokens": outs,
             "output_tokens_of_failed": 0, "request_throughput": n_done / duration,
             "output_throughput": outs / duration, "total_token_throughput": (ins + outs) / duration,
-            "ttft_ms": _distribution(ttft), "tpot_ms": _distribution(tpot), "itl_ms": hist.summary_ms(),
+            "ttft_ms": _distribution(ttft), "tpot_ms": _distribution(tpot), "itl_ms": hist.spread(self.itl_shape).summary_ms(),
             "e2el_ms": _distribution(e2el), "goodput": None,
         }
         if slo_ttft_ms is not None or slo_tpot_ms is not None:

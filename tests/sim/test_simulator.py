@@ -118,6 +118,53 @@ def test_tokens_per_event_groups_token_gaps_into_event_gaps():
         replace(PROFILE, tokens_per_event=0.5)
 
 
+def test_itl_shape_spreads_event_gaps_and_leaves_the_rest():
+    """A calibrated spread (event gap ÷ mean at equal-mass quantiles) turns one gap g into g·q for each
+    q: percentiles move to the shape's, the mean stays; TTFT, TPOT and throughput are untouched."""
+    from shared.sim.metrics import ItlHistogram
+
+    h = ItlHistogram()
+    h.add(0.010, 100.0)
+    shape = (0.5, 0.8, 1.0, 1.2, 1.5)
+    wide = h.spread(shape)
+    assert wide.n == h.n and wide.total == pytest.approx(h.total)
+    assert wide.percentile(10) == pytest.approx(0.005, rel=0.01)
+    assert wide.percentile(50) == pytest.approx(0.010, rel=0.01)
+    assert wide.percentile(95) == pytest.approx(0.015, rel=0.01)
+    reqs = _requests(n=30, rate=2.0)
+    flat = simulate(PROFILE, ClusterConfig(), [replace(r) for r in reqs])
+    spread = simulate(replace(PROFILE, itl_shape=shape), ClusterConfig(), [replace(r) for r in reqs])
+    assert spread["itl_ms"]["p90"] > 1.2 * flat["itl_ms"]["p90"]
+    assert spread["itl_ms"]["mean"] == pytest.approx(flat["itl_ms"]["mean"])
+    assert spread["tpot_ms"] == flat["tpot_ms"] and spread["ttft_ms"] == flat["ttft_ms"]
+    with pytest.raises(ValueError, match="itl_shape"):
+        replace(PROFILE, itl_shape=(0.0, 2.0))
+
+
+def test_a_workloads_acceptance_moves_its_steps_and_time_per_token():
+    """More tokens an event: each step longer by `spec_token_s` per extra token, the time per token
+    shorter; the calibration reads that cost from requests' (tokens per event, gap)."""
+    from services.planner.calibrate import spec_token_cost
+
+    spec = replace(PROFILE, spec_token_s=0.004)
+    for tau in (1.0, 2.0, 3.5):
+        moved = spec.with_tokens_per_event(tau)
+        for batch in (1, 4):
+            event = moved.decode_time(batch, 500) * tau  # one step, τ tokens each sequence
+            assert event == pytest.approx(PROFILE.decode_time(batch, 500) + 0.004 * (tau - 1))
+        back = moved.with_tokens_per_event(1.0).decode
+        assert (back.base_s, back.per_seq_s, back.per_ctx_token_s) == pytest.approx(
+            (PROFILE.decode.base_s, PROFILE.decode.per_seq_s, PROFILE.decode.per_ctx_token_s))
+    with pytest.raises(ValueError, match="tokens per event"):
+        spec.with_tokens_per_event(0.5)
+    reqs = _requests(n=5, rate=0.02)  # one at a time: the same batch of one in both
+    slow, fast = (simulate(spec.with_tokens_per_event(t), ClusterConfig(), [replace(r) for r in reqs]) for t in (1.5, 3.0))
+    assert fast["itl_ms"]["p50"] > slow["itl_ms"]["p50"] and fast["tpot_ms"]["p50"] < slow["tpot_ms"]["p50"]
+    points = tuple((t, 0.010 + 0.003 * (t - 1)) for t in (1.2, 1.8, 2.5, 3.1))
+    assert spec_token_cost(points) == pytest.approx((0.010, 0.003))
+    assert spec_token_cost(((2.0, 0.02), (2.01, 0.03), (2.02, 0.01)))[1] == 0.0  # no spread in τ: no slope
+
+
 def test_closed_loop_interference_and_itl_window():
     from services.bench.workloads import Workload
 
@@ -154,7 +201,7 @@ def test_profile_file_round_trip_and_validation(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(PROFILE.to_json()))
     assert load_profile(path) == PROFILE
-    spec = replace(PROFILE, tokens_per_event=1.9)
+    spec = replace(PROFILE, tokens_per_event=1.9, itl_shape=(0.7, 1.0, 1.3), spec_token_s=0.002)
     path.write_text(json.dumps(spec.to_json()))
     assert load_profile(path) == spec
     bad = PROFILE.to_json()
