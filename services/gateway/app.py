@@ -35,6 +35,8 @@ from shared.protocol.messages import ResetReply, decode
 from shared.transport import nats_bus, valkey
 
 log = logging.getLogger(__name__)
+REPLAY_ASK_DELAYS_S = (1.0, 2.0)  # after a reconnect, before asking the workers for recent token events
+_background: set[asyncio.Task] = set()  # (tasks kept referenced until they finish)
 
 
 def load_model_info(config: GatewayConfig) -> ModelInfo:
@@ -77,8 +79,20 @@ class GatewayState:
     async def start(cls, config: GatewayConfig) -> GatewayState:
         model = await asyncio.to_thread(load_model_info, config)
         log.info("serving %s (context %d tokens) in %s mode", model.name, model.max_model_len, config.mode)
+        nc = None
+
+        def ask_for_replay() -> None:  # events published while this gateway was away were dropped
+            async def ask() -> None:
+                for delay in REPLAY_ASK_DELAYS_S:  # once its subscriptions have spread through the cluster
+                    await asyncio.sleep(delay)
+                    if nc is not None and nc.is_connected:
+                        await nc.publish(subjects.REPLAY_TOKENS, b"")
+            _background.add(task := asyncio.create_task(ask()))
+            task.add_done_callback(_background.discard)
+
         nc = await nats_bus.connect(config.nats_url, config.instance, user=config.nats_user,
-                                    password=config.nats_password, token=config.nats_token)
+                                    password=config.nats_password, token=config.nats_token,
+                                    on_reconnected=ask_for_replay)
         try:
             js = nc.jetstream()
             await nats_bus.ensure_streams(js, replicas=nats_bus.stream_replicas(nc))

@@ -34,6 +34,9 @@ DECODE_DIRECT = "pd.decode.direct"
 
 CANCEL_ALL = "pd.cancel.>"
 RESET_PREFIX_CACHE = "pd.admin.reset_prefix_cache"
+# a gateway back on NATS after an outage asks every worker to send again the token events of the
+# last seconds (core NATS dropped what was published while it was away; it drops duplicates)
+REPLAY_TOKENS = "pd.admin.replay_tokens"
 STATS_ALL = "pd.stats.>"
 
 CACHE_EVENTS_ALL = "pd.cache.events.>"

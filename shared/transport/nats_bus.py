@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 
 import nats
 from nats.aio.client import Client as NATS
@@ -27,12 +28,16 @@ PING_INTERVAL_S = 2.0  # (nats-py's default, 2 minutes, would hold a partitioned
 
 
 async def connect(url: str, name: str, *, user: str | None = None, password: str | None = None,
-                  token: str | None = None, connect_timeout: float = 5.0) -> NATS:
+                  token: str | None = None, connect_timeout: float = 5.0,
+                  on_disconnected: Callable[[], None] | None = None,
+                  on_reconnected: Callable[[], None] | None = None) -> NATS:
     """Connect and keep reconnecting forever (services outlive a NATS restart). `url` may list
     several servers, comma-separated (the nodes of a cluster), in order of preference — put this
     host's node first: the client connects to the first that answers and fails over down the list
     (and to any node the cluster announces). A connection that silently stops carrying traffic (a
-    partitioned link: no reset) is found dead by its pings within ~PING_INTERVAL_S × 3."""
+    partitioned link: no reset) is found dead by its pings within ~PING_INTERVAL_S × 3.
+    `on_disconnected` / `on_reconnected` are called (plain functions, in the event loop) after this
+    module logs each."""
     servers = [u.strip() for u in url.split(",") if u.strip()]
     if not servers:
         raise ValueError(f"no NATS server URL in {url!r}")
@@ -42,9 +47,13 @@ async def connect(url: str, name: str, *, user: str | None = None, password: str
 
     async def on_disconnect() -> None:
         log.warning("%s: NATS disconnected", name)
+        if on_disconnected is not None:
+            on_disconnected()
 
     async def on_reconnect() -> None:
         log.info("%s: NATS reconnected", name)
+        if on_reconnected is not None:
+            on_reconnected()
 
     return await nats.connect(
         servers, name=name, user=user, password=password, token=token,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 from shared.config import WorkerConfig
 import torch
@@ -24,6 +24,9 @@ from shared.transport.heartbeat import heartbeat, publish_stats
 from shared.transport.kv_client import KVStoreClient, KVStoreError
 
 log = logging.getLogger(__name__)
+REPLAY_WINDOW_S = 10.0  # token events kept to send again after an outage
+REPLAY_MARGIN_S = 2.0  # before a disconnect: what may have been in flight on the dying connection
+REPLAY_DELAYS_S = (1.0, 2.0)  # after a reconnect: once interest has spread through the cluster, and again
 
 
 class CancelledSet:
@@ -67,16 +70,21 @@ class WorkerRuntime:
         self.cache_events: CachePublisher | None = None
         self._queued = 0
         self.draining = False  # SIGTERM: no new jobs; the stats say so (the routers send none)
+        # the token events of the last REPLAY_WINDOW_S, sent again after a NATS outage (replay_recent)
+        self._recent: deque[tuple[float, str, bytes]] = deque()
+        self._disconnected_at: float | None = None
 
     async def start(self) -> None:
         c = self.config
         self.nc = await nats_bus.connect(c.nats_url, f"{c.role}-{c.instance}", user=c.nats_user,
-                                         password=c.nats_password, token=c.nats_token)
+                                         password=c.nats_password, token=c.nats_token,
+                                         on_disconnected=self._on_disconnected, on_reconnected=self._on_reconnected)
         self.js = self.nc.jetstream()
         await nats_bus.ensure_streams(self.js, replicas=nats_bus.stream_replicas(self.nc))
         self.redis = valkey.connect(c.redis_url, c.redis_password)
         await self.nc.subscribe(subjects.CANCEL_ALL, cb=self._on_cancel)
         await self.nc.subscribe(subjects.RESET_PREFIX_CACHE, cb=self._on_reset)
+        await self.nc.subscribe(subjects.REPLAY_TOKENS, cb=self._on_replay_request)
         self._tasks = [asyncio.create_task(self.async_engine.run(self.stop), name="engine")]
         if self.engine.config.enable_prefix_caching:  # the routing index follows this engine's prefix cache
             self.async_engine.watch_blocks()
@@ -103,6 +111,40 @@ class WorkerRuntime:
             return  # a later attempt of the request is what this worker holds now
         self.async_engine.abort(rid)
         self.on_cancel(rid)
+
+    # ---------------------------------------------------------------- token events lost in an outage
+    # Core NATS drops what is in flight when a connection dies (the events written to the old socket),
+    # and what is published for a subscriber that is away. A gap is seen by the gateway when the next
+    # event arrives (it migrates the request), but a lost last event has no next one: the request
+    # would hang until the inactivity timeout. So the events of the last seconds are sent again after
+    # an outage, once interest has had time to spread through the cluster, and the gateway drops what
+    # it already has.
+
+    def _on_disconnected(self) -> None:
+        if self._disconnected_at is None:
+            self._disconnected_at = time.monotonic()
+
+    def _on_reconnected(self) -> None:
+        since = (self._disconnected_at or time.monotonic()) - REPLAY_MARGIN_S
+        self._disconnected_at = None
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._tasks.append(asyncio.create_task(self.replay_recent(since, delays=REPLAY_DELAYS_S), name="replay"))
+
+    async def _on_replay_request(self, msg) -> None:
+        await self.replay_recent(time.monotonic() - REPLAY_WINDOW_S)
+
+    async def replay_recent(self, since: float, delays: tuple[float, ...] = (0.0,)) -> int:
+        """Publish again every token event sent since `since` (monotonic), after each delay in turn."""
+        sent = 0
+        for delay in delays:
+            await asyncio.sleep(delay)
+            again = [(subject, data) for t, subject, data in list(self._recent) if t >= since]
+            for subject, data in again:
+                await self.nc.publish(subject, data)
+            sent += len(again)
+        if sent:
+            log.info("sent %d recent token events again after a NATS outage", sent)
+        return sent
 
     async def _on_reset(self, msg) -> None:
         blocks = await self.async_engine.reset_prefix_cache()
@@ -197,7 +239,12 @@ class WorkerRuntime:
         event = TokenEvent(request_id=request_id, index=index, token_ids=token_ids, logprobs=logprobs_msg(logprobs),
                            prompt_logprobs=logprobs_msg(prompt_logprobs), worker=self.config.instance,
                            attempt=self.attempts.get(request_id, 0), **fields)
-        await self.nc.publish(subjects.tokens(request_id), encode(event))
+        subject, data = subjects.tokens(request_id), encode(event)
+        now = time.monotonic()
+        self._recent.append((now, subject, data))
+        while self._recent and self._recent[0][0] < now - REPLAY_WINDOW_S:
+            self._recent.popleft()
+        await self.nc.publish(subject, data)
 
     async def publish_error(self, request_id: str, index: int, code: ErrorCode, message: str) -> None:
         log.warning("request %s fails: %s", request_id, message)

@@ -68,3 +68,37 @@ async def test_a_three_node_cluster_replicates_the_work_queues(tmp_path):
     finally:
         for node in nodes:
             node.stop()
+
+
+async def test_token_events_lost_in_an_outage_are_sent_again_on_request(nats_server):
+    """A worker keeps its last seconds of token events; a gateway back from an outage asks
+    (REPLAY_TOKENS) and gets them again — the final event included, which no later event would
+    have revealed as lost. Older events than the window are not resent."""
+    import time
+    from collections import deque
+    from types import SimpleNamespace
+
+    from shared.protocol.messages import TokenEvent, decode
+    from shared.transport.worker import REPLAY_WINDOW_S, WorkerRuntime as Worker
+
+    nc = await nats_bus.connect(nats_server.url, "replay-test")
+    worker = SimpleNamespace(nc=nc, config=SimpleNamespace(instance="decode-0"), attempts={}, _recent=deque(), _tasks=[])
+    worker.replay_recent = lambda since, delays=(0.0,): Worker.replay_recent(worker, since, delays)
+    got = []
+
+    async def on_event(msg):
+        got.append(decode(msg.data, TokenEvent))
+
+    sub = await nc.subscribe(subjects.tokens("r1"), cb=on_event)
+    await Worker.publish_tokens(worker, "r1", 0, [5, 6])
+    await Worker.publish_tokens(worker, "r1", 2, [7], finished=True, finish_reason="stop")
+    worker._recent.appendleft((time.monotonic() - REPLAY_WINDOW_S - 1, subjects.tokens("r1"), b"old"))
+    await nc.flush()
+    await asyncio.sleep(0.1)
+    assert [(e.index, e.token_ids, e.finished) for e in got] == [(0, [5, 6], False), (2, [7], True)]
+    await Worker._on_replay_request(worker, None)  # what a gateway's REPLAY_TOKENS message does
+    await nc.flush()
+    await asyncio.sleep(0.1)
+    assert [(e.index, e.finished) for e in got[2:]] == [(0, False), (2, True)]
+    await sub.unsubscribe()
+    await nc.close()
