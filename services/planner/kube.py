@@ -176,20 +176,20 @@ def add_planner_args(p: argparse.ArgumentParser) -> None:
     add_limit_args(p.add_argument_group("pools, budget (pods) and SLOs"), max_per_pool=8, what="pods")
 
 
-def planner_from_args(args) -> KubePlanner:
+def planner_from_args(args, config: AutoscaleConfig) -> KubePlanner:
     if args.kube_api:
         client = KubeClient(args.kube_api, args.namespace or "default", args.kube_token_file, args.kube_ca_file)
     else:
         client = KubeClient.in_cluster(args.namespace)
     actuator = KubeActuator(client, {"prefill": args.prefill_deployment, "decode": args.decode_deployment})
-    return KubePlanner(limits_config(args), actuator, args.gateway_deployment, args.gateway_port)
+    return KubePlanner(config, actuator, args.gateway_deployment, args.gateway_port)
 
 
 def cmd_planner(args) -> int:
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = limits_config(args)
     log.info("%s", config.describe().replace("processes", "pods"))
-    planner = planner_from_args(args)
+    planner = planner_from_args(args, config)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     while not stop.is_set():

@@ -22,12 +22,12 @@ log = logging.getLogger(__name__)
 _handed_out: set[int] = set()
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to `bind(0)` and to outgoing connections."""
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def free_port() -> int:
@@ -36,9 +36,10 @@ def free_port() -> int:
     port from: a NATS node routing to another can hold the very port a third node was promised (a CI
     run lost a cluster test to "bind: address already in use"). So ports come from below that range,
     at random, each handed out once per process."""
-    low, _ = _ephemeral_range()
+    low = _ephemeral_low()
     first = 20000 if low > 21000 else 1024
-    for _ in range(200) if low - first >= 1000 else ():
+    tries = 200 if low - first >= 1000 else 0
+    for _ in range(tries):
         port = random.randrange(first, low)
         if port in _handed_out:
             continue
