@@ -13,6 +13,12 @@ Queues are JetStream work queues in the real system: a worker pulls only when it
 job waits for the first one that does (workers with room wait in a FIFO, like fetchers).
 The prefix cache is the kvstore's index: LRU over prompt-prefix keys, one store's capacity per host.
 
+Pools can change size while it runs (`Cluster(scaler=...)`): every `interval_s` the scaler sees the
+arrivals so far and names a target per pool. A worker added costs GPU time from the decision and
+takes jobs `startup_s` later (its model loading); a worker removed drains — it takes no new job,
+finishes what it holds, then leaves. Cost is GPU time over each worker's life, so a fleet that
+follows the load is charged for the workers it had, when it had them.
+
 Events sit in one heap as (time, sequence number, type, payload); a worker's step carries the
 worker's version, and an event whose version is stale (its span was cut short) is dropped.
 """
@@ -26,7 +32,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from shared.sim.cost import Profile
 from shared.sim.engine import SimEngine, SimSeq
@@ -34,7 +40,7 @@ from shared.sim.metrics import Recorder
 from shared.sim.workload import SimRequest
 
 MODES = ("disaggregated", "colocated", "conditional")
-ARRIVE, STEP, KV_STORED, JOIN, RETRY = range(5)
+ARRIVE, STEP, KV_STORED, JOIN, RETRY, TICK, READY = range(7)
 RETRY_DELAY_S = 1.0  # a decode job that found no blocks is redelivered after this (nak delay)
 
 
@@ -79,6 +85,17 @@ class ClosedLoop:
     next_index: Iterator[int] = field(default_factory=itertools.count)
 
 
+class Scaler(Protocol):
+    """Sizes the pools while a simulation runs (services/planner/forecast.py)."""
+
+    interval_s: float  # a decision this often
+    startup_s: float  # from a decision to add a worker until it takes jobs
+
+    def targets(self, now: float, arrived: int) -> tuple[int, int]:
+        """(prefill, decode) workers wanted, from the arrivals so far (colocated: prefill ignored)."""
+        ...
+
+
 class PrefixCache:
     """LRU over prefix keys, capacity in keys (each a block of the request's key size)."""
 
@@ -105,31 +122,35 @@ class PrefixCache:
         for key in req.prefix_keys:
             self.keys[key] = None
             self.keys.move_to_end(key)
-        while len(self.keys) > self.capacity:
+        self.resize(self.capacity)
+
+    def resize(self, capacity: int) -> None:
+        """A host joined or left: its store's memory with it (the least recently used go first)."""
+        self.capacity = capacity
+        while len(self.keys) > capacity:
             self.keys.popitem(last=False)
 
 
 class Cluster:
     def __init__(self, profile: Profile, config: ClusterConfig, kinds: Iterable[str] = ("chat", "long"),
-                 itl_from_s: float | None = None):
+                 itl_from_s: float | None = None, scaler: Scaler | None = None):
         self.profile, self.config = profile, config
         lim = profile.limits
         self.block_bytes = lim.kv_bytes_per_block
         self.bs = lim.block_size
-        def mk(wid: int, role: str, blocks: int) -> SimEngine:
-            return SimEngine(wid, role, profile, blocks, config.max_num_seqs or lim.max_num_seqs,
-                             config.max_num_batched_tokens or lim.max_num_batched_tokens, config.decode_spans)
-
-        blocks = config.num_kv_blocks or lim.num_kv_blocks
+        self.wids = itertools.count()
+        self.scaler = scaler
+        self.retired: list[SimEngine] = []  # drained workers that left, for the cost
+        self.starting: dict[str, list[SimEngine]] = {"prefill": [], "decode": []}  # added, still loading
+        self.scale_log: list[tuple[float, int, int]] = []  # (time, prefill, decode) after each change
         if config.mode == "colocated":
             self.prefill_pool: list[SimEngine] = []
-            self.decode_pool = [mk(i, "colocated", blocks) for i in range(config.decode)]
+            self.decode_pool = [self._new_worker("decode", 0.0) for _ in range(config.decode)]
         else:
-            self.prefill_pool = [mk(i, "prefill", lim.num_kv_blocks) for i in range(config.prefill)]
-            self.decode_pool = [mk(config.prefill + i, "decode", blocks) for i in range(config.decode)]
+            self.prefill_pool = [self._new_worker("prefill", 0.0) for _ in range(config.prefill)]
+            self.decode_pool = [self._new_worker("decode", 0.0) for _ in range(config.decode)]
         self.max_inflight = config.prefill_max_inflight or lim.prefill_max_inflight
-        hosts = max(1, math.ceil(config.num_workers / config.gpus_per_host))
-        self.cache = PrefixCache(lim.kvstore_slots * hosts) if config.prefix_caching else None
+        self.cache = PrefixCache(self._cache_capacity()) if config.prefix_caching else None
         self.kind_names = list(kinds)
         self.kind_ids = {k: i for i, k in enumerate(self.kind_names)}
         self.rec = Recorder(self.kind_names, itl_from_s, profile.tokens_per_event, profile.itl_shape)
@@ -147,6 +168,21 @@ class Cluster:
         self.events = 0
         self.max_events = 10**9
         self.now = 0.0
+        self.arrived = 0
+
+    def _new_worker(self, pool: str, t: float) -> SimEngine:
+        """A worker of `pool` ("prefill" | "decode": in colocated mode the engine workers), alive from `t`."""
+        cfg, lim = self.config, self.profile.limits
+        role = "colocated" if cfg.mode == "colocated" else pool
+        blocks = lim.num_kv_blocks if role == "prefill" else cfg.num_kv_blocks or lim.num_kv_blocks
+        w = SimEngine(next(self.wids), role, self.profile, blocks, cfg.max_num_seqs or lim.max_num_seqs,
+                      cfg.max_num_batched_tokens or lim.max_num_batched_tokens, cfg.decode_spans)
+        w.born_s = t
+        return w
+
+    def _cache_capacity(self) -> int:
+        workers = len(self.prefill_pool) + len(self.decode_pool)
+        return self.profile.limits.kvstore_slots * max(1, math.ceil(workers / self.config.gpus_per_host))
 
     # ------------------------------------------------------------------------------------ run
 
@@ -163,6 +199,8 @@ class Cluster:
                 self._closed_next(0.0)
         for w in self.prefill_pool + self.decode_pool:
             self._mark_hungry(w)
+        if self.scaler is not None:
+            self._push(0.0, TICK, None)
         heap, pop = self.heap, heapq.heappop
         while heap:
             t, _, typ, a, b = pop(heap)
@@ -181,6 +219,10 @@ class Cluster:
             elif typ == RETRY:
                 self.decode_q.appendleft(a)
                 self._feed(self.decode_q, self.hungry_decode, t)
+            elif typ == TICK:
+                self._tick(t)
+            elif typ == READY:
+                self._ready(a, b, t)
             if check_every and self.events % check_every == 0:
                 self.check_invariants()
             if self.events > self.max_events:
@@ -214,6 +256,7 @@ class Cluster:
             self.rec.hists.append(type(self.rec.hists[0])())
         rid = self.rec.new_request(req.arrival_s, req.prompt_tokens, req.output_tokens, kind)
         self.reqs.append(req)
+        self.arrived += 1
         if self.config.mode == "conditional" and req.prompt_tokens < self.config.conditional_threshold:
             self.direct_q.append(rid)
             self._feed(self.direct_q, self.hungry_decode, t)
@@ -228,10 +271,11 @@ class Cluster:
         while queue and hungry:
             w = hungry.popleft()
             w.hungry = False
-            self._pull(w, t)
+            if not w.draining:
+                self._pull(w, t)
 
     def _mark_hungry(self, w: SimEngine) -> None:
-        if not w.hungry and self._room(w) > 0:
+        if not w.hungry and not w.draining and self._room(w) > 0:
             w.hungry = True
             (self.hungry_prefill if w.role == "prefill" else self.hungry_decode).append(w)
 
@@ -249,6 +293,11 @@ class Cluster:
         return slots if w.free_blocks > reserve else 0
 
     def _pull(self, w: SimEngine, t: float) -> None:
+        if w.draining:
+            if not w.busy:
+                self._plan(w, t)
+            self._retire_if_done(w, t)
+            return
         room = self._room(w)
         if w.role == "decode" and w.held:  # still reading the previous pull's KV
             return
@@ -346,6 +395,63 @@ class Cluster:
         self._feed(self.decode_q, self.hungry_decode, t)
         self._pull(w, t)
 
+    # -------------------------------------------------------------------------------- scaling
+
+    def _tick(self, t: float) -> None:
+        prefill, decode = self.scaler.targets(t, self.arrived)
+        changed = self.config.mode != "colocated" and self._scale("prefill", max(1, prefill), t)
+        if self._scale("decode", max(1, decode), t) or changed:
+            self.scale_log.append((t, self._count("prefill"), self._count("decode")))
+        if self.heap:  # anything else still to happen: decide again later (else the run is over)
+            self._push(t + self.scaler.interval_s, TICK, None)
+
+    def _scale(self, kind: str, target: int, t: float) -> bool:
+        """Add or drain workers of `kind` towards `target`; whether anything changed."""
+        pool = self.prefill_pool if kind == "prefill" else self.decode_pool
+        starting = self.starting[kind]
+        serving = [w for w in pool if not w.draining]
+        have = len(serving) + len(starting)
+        if target == have:
+            return False
+        if target > have:
+            for _ in range(target - have):
+                w = self._new_worker(kind, t)
+                starting.append(w)
+                self._push(t + self.scaler.startup_s, READY, w, kind)
+        else:
+            excess = have - target
+            while excess and starting:  # those still loading go first: nothing to drain
+                w = starting.pop()
+                w.draining = True
+                w.retired_s = t
+                self.retired.append(w)
+                excess -= 1
+            for w in sorted(serving, key=lambda w: w.num_requests + w.held)[:excess]:  # the least loaded
+                w.draining = True
+                self._retire_if_done(w, t)
+        return True
+
+    def _count(self, kind: str) -> int:
+        pool = self.prefill_pool if kind == "prefill" else self.decode_pool
+        return sum(not w.draining for w in pool) + len(self.starting[kind])
+
+    def _ready(self, w: SimEngine, kind: str, t: float) -> None:
+        if w.draining:  # removed while it was still loading
+            return
+        self.starting[kind].remove(w)
+        (self.prefill_pool if kind == "prefill" else self.decode_pool).append(w)
+        if self.cache is not None:
+            self.cache.resize(self._cache_capacity())
+        self._pull(w, t)
+
+    def _retire_if_done(self, w: SimEngine, t: float) -> None:
+        if w.draining and not w.busy and not w.num_requests and not w.held and w.retired_s is None:
+            w.retired_s = t
+            (self.prefill_pool if w in self.prefill_pool else self.decode_pool).remove(w)
+            self.retired.append(w)
+            if self.cache is not None:
+                self.cache.resize(self._cache_capacity())
+
     def _finished(self, rid: int, t: float) -> None:
         self.rec.finish(rid, t)
         if self.closed is not None and rid in self.closed_ids:
@@ -354,13 +460,15 @@ class Cluster:
     # ---------------------------------------------------------------------------- invariants
 
     def check_invariants(self, final: bool = False) -> None:
-        for w in self.prefill_pool + self.decode_pool:
+        for w in self.prefill_pool + self.decode_pool + self.retired:
             held = sum(s.blocks for s in w.running) + sum(s.blocks for s in w.waiting)
             if held != w.used_blocks or not 0 <= w.used_blocks <= w.total_blocks:
                 raise AssertionError(f"worker {w.wid}: {w.used_blocks} blocks in use, sequences hold {held}, "
                                      f"budget {w.total_blocks}")
             if final and (w.used_blocks or w.running or w.waiting or w.held):
                 raise AssertionError(f"worker {w.wid} still holds work at the end")
+            if w.retired_s is not None and (w.num_requests or w.held or w.busy):
+                raise AssertionError(f"worker {w.wid} left with work unfinished")
         if final:
             rec = self.rec
             for rid in range(len(rec.arrival)):
@@ -377,15 +485,17 @@ class Cluster:
         rec = self.rec
         end = max(rec.finish_s, default=0.0)
         summary = rec.summarize(end, self.profile.request_overhead_s, slo_ttft_ms, slo_tpot_ms)
-        pools = {"prefill": self.prefill_pool, "decode": self.decode_pool} if self.prefill_pool else \
-            {self.config.mode if self.config.mode == "colocated" else "decode": self.decode_pool}
+        everyone = self.prefill_pool + self.decode_pool + self.retired
+        by_role = {role: [w for w in everyone if w.role == role] for role in ("prefill", "decode", "colocated")}
         cost = {}
-        for name, pool in pools.items():
+        for name, pool in by_role.items():
             if not pool:
                 continue
             busy = sum(w.busy_s for w in pool)
-            cost[name] = {"workers": len(pool), "busy_s": busy, "gpu_s": len(pool) * end,
-                          "utilization": busy / (len(pool) * end) if end > 0 else 0.0,
+            alive_s = sum((end if w.retired_s is None else w.retired_s) - w.born_s for w in pool)
+            cost[name] = {"workers": alive_s / end if end > 0 else float(len(pool)), "max_workers": self._peak(name),
+                          "busy_s": busy, "gpu_s": alive_s * self.profile.limits.gpus_per_worker,
+                          "utilization": busy / alive_s if alive_s > 0 else 0.0,
                           "preemptions": sum(w.preemptions for w in pool),
                           "max_kv_blocks_used": max(w.max_used_blocks for w in pool),
                           "kv_blocks_budget": pool[0].total_blocks}
@@ -393,20 +503,36 @@ class Cluster:
         if self.cache is not None:
             cost["prefix_cache"] = {"queried_tokens": self.cache.queried_tokens, "hit_tokens": self.cache.hit_tokens}
         summary["cost"] = cost
-        n = self.config.num_workers
+        # workers over time: the mean of a fleet that changed size, the count of one that did not
+        n = sum(c["workers"] for k, c in cost.items() if k in by_role)
         gpus = n * self.profile.limits.gpus_per_worker
         good = summary["goodput"]
         summary["per_gpu"] = {"workers": n, "gpus": gpus, "request_throughput": summary["request_throughput"] / gpus,
                               "request_goodput": good["request_goodput"] / gpus if good else None}
+        if self.scaler is not None:
+            summary["scaling"] = {"changes": len(self.scale_log), "log": [list(x) for x in self.scale_log]}
         return summary
+
+    def _peak(self, role: str) -> int:
+        """The most workers of a role alive at once (loading ones included)."""
+        pool = [w for w in self.prefill_pool + self.decode_pool + self.retired + sum(self.starting.values(), [])
+                if w.role == role]
+        edges = sorted([(w.born_s, 1) for w in pool] + [(w.retired_s, -1) for w in pool if w.retired_s is not None],
+                       key=lambda e: (e[0], e[1]))
+        peak = alive = 0
+        for _, d in edges:
+            alive += d
+            peak = max(peak, alive)
+        return peak
 
 
 def simulate(profile: Profile, config: ClusterConfig, arrivals: Iterable[SimRequest], *,
              closed: ClosedLoop | None = None, itl_from_s: float | None = None, slo_ttft_ms: float | None = None,
-             slo_tpot_ms: float | None = None, check: bool = False) -> dict[str, Any]:
-    """Run to the end; the summary (bench's shape) plus cost per phase and the simulator's own speed."""
+             slo_tpot_ms: float | None = None, check: bool = False, scaler: Scaler | None = None) -> dict[str, Any]:
+    """Run to the end; the summary (bench's shape) plus cost per phase and the simulator's own speed.
+    `scaler`: the pools change size as it decides (else they keep the config's counts)."""
     t0 = time.perf_counter()
-    cluster = Cluster(profile, config, itl_from_s=itl_from_s)
+    cluster = Cluster(profile, config, itl_from_s=itl_from_s, scaler=scaler)
     cluster.run(arrivals, closed, check_every=97 if check else 0)
     cluster.check_invariants(final=True)
     summary = cluster.report(slo_ttft_ms, slo_tpot_ms)

@@ -16,7 +16,7 @@ KV transfer (prefill → kvstore → decode) is base + per_byte·bytes, per path
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -154,10 +154,12 @@ class Profile:
     # -------------------------------------------------------------------------------- file I/O
 
     def to_json(self) -> dict[str, Any]:
-        return {"version": PROFILE_VERSION, "meta": self.meta, "limits": self.limits.__dict__,
+        """A new dict (copies: editing it leaves this profile as it was)."""
+        return {"version": PROFILE_VERSION, "meta": dict(self.meta), "limits": asdict(self.limits),
                 "request_overhead_s": self.request_overhead_s, "tokens_per_event": self.tokens_per_event,
-                "itl_shape": list(self.itl_shape), "spec_token_s": self.spec_token_s, "prefill": {"fit": self.prefill.__dict__}, "decode": {"fit": self.decode.__dict__},
-                "kv_transfer": {path: {"write": t.write.__dict__, "read": t.read.__dict__}
+                "itl_shape": list(self.itl_shape), "spec_token_s": self.spec_token_s,
+                "prefill": {"fit": asdict(self.prefill)}, "decode": {"fit": asdict(self.decode)},
+                "kv_transfer": {path: {"write": asdict(t.write), "read": asdict(t.read)}
                                 for path, t in self.transfer.items()}}
 
     @classmethod

@@ -71,6 +71,9 @@ class SimEngine:
         self.held = 0  # jobs held outside the engine: a prefill's KV being written, a decode job's being read
         self.intake_free_s = 0.0  # decode: KV reads run one at a time
         self.hungry = False  # waiting in its pool's queue of workers with room
+        self.draining = False  # removed by a scaler: takes no new job, leaves when it holds none
+        self.born_s = 0.0  # when its GPUs were taken (cost)
+        self.retired_s: float | None = None  # when it left (None: still there)
 
     # ------------------------------------------------------------------------------- admission
 

@@ -239,3 +239,52 @@ def test_simulate_cli_json_to_stdout():
         assert d["min"] <= d["p50"] <= d["p90"] <= d["p99"] <= d["max"]
     assert s["cost"]["prefill"]["workers"] == 1 and s["cost"]["decode"]["workers"] == 2
     assert math.isfinite(s["sim"]["requests_per_wall_s"])
+
+
+class Scripted:
+    """A scaler that follows a fixed schedule of (from time, prefill, decode)."""
+
+    def __init__(self, schedule, interval_s=1.0, startup_s=0.5):
+        self.schedule, self.interval_s, self.startup_s = schedule, interval_s, startup_s
+        self.seen = []
+
+    def targets(self, now, arrived):
+        self.seen.append((now, arrived))
+        return next((p, d) for t, p, d in reversed(self.schedule) if now >= t)
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_pools_change_size_and_a_removed_worker_drains_first(mode):
+    reqs = _requests(n=120, rate=8.0)
+    scaler = Scripted([(0.0, 1, 1), (2.0, 3, 3), (8.0, 1, 1)])
+    cluster = Cluster(PROFILE, ClusterConfig(mode=mode, prefill=1, decode=1), scaler=scaler)
+    cluster.run([replace(r) for r in reqs], check_every=1)
+    cluster.check_invariants(final=True)  # includes: no worker left with work unfinished
+    assert sum(cluster.rec.tokens) == sum(r.output_tokens for r in reqs)
+    assert [n for _, n in scaler.seen] == sorted(n for _, n in scaler.seen)  # it sees arrivals so far
+    grown = [w for w in cluster.retired + cluster.decode_pool if w.born_s == 2.0 and w.role != "prefill"]
+    assert len(grown) == 2 and all(w.busy_s > 0 for w in grown)  # the added workers served
+    retired = [w for w in cluster.retired if w.role != "prefill"]
+    assert len(retired) == 2 and all(w.retired_s >= 8.0 for w in retired)
+    s = cluster.report()
+    role = "colocated" if mode == "colocated" else "decode"
+    assert s["cost"][role]["max_workers"] == 3
+    end = max(cluster.rec.finish_s)
+    everyone = [w for w in cluster.retired + cluster.decode_pool if w.role != "prefill"]
+    alive = sum((end if w.retired_s is None else w.retired_s) - w.born_s for w in everyone)
+    assert s["cost"][role]["workers"] == pytest.approx(alive / end) and 1 < s["cost"][role]["workers"] < 3
+    assert s["scaling"]["changes"] == 2
+    # the same requests on a fixed fleet of 3: what the scaled fleet spends is less
+    fixed = simulate(PROFILE, ClusterConfig(mode=mode, prefill=3, decode=3), [replace(r) for r in reqs])
+    assert s["per_gpu"]["gpus"] < fixed["per_gpu"]["gpus"]
+
+
+def test_a_worker_removed_while_loading_never_serves():
+    reqs = _requests(n=30, rate=5.0)
+    scaler = Scripted([(0.0, 1, 1), (1.0, 1, 2), (2.0, 1, 1)], interval_s=1.0, startup_s=5.0)
+    cluster = Cluster(PROFILE, ClusterConfig(), scaler=scaler)
+    cluster.run([replace(r) for r in reqs], check_every=1)
+    cluster.check_invariants(final=True)
+    (gone,) = cluster.retired
+    assert gone.born_s == 1.0 and gone.retired_s == 2.0 and gone.busy_s == 0
+    assert cluster.report()["cost"]["decode"]["max_workers"] == 2
