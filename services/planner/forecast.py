@@ -8,7 +8,12 @@ to forecast ÷ capacity — early enough that the workers have loaded their mode
 
     every interval:  rate of the last interval → linear trend over the last `history` intervals
                      (where it stands out of the noise) → the rate `startup_s + interval_s` ahead,
-                     × (1 + headroom) → workers per pool
+                     × (1 + headroom), + each pool's backlog ÷ interval → workers per pool
+
+The backlog term is what keeps a forecast's miss from lasting: a pool that fell behind holds a queue
+that the forecast rate alone would never clear, and TTFT grows with it for the rest of the run. A
+queue of up to `queue_per_worker` jobs per worker is the ordinary wait for a free slot, not backlog
+(as in the live planner's notion of a hot pool).
 
 Hysteresis: a pool grows as soon as the forecast asks; it shrinks only after `down_after` intervals
 in a row that all wanted fewer, and then to the most that any of them wanted (a steady load does not
@@ -34,6 +39,10 @@ class Capacity:
     prefill_rps: float
     decode_rps: float
 
+    def __post_init__(self) -> None:
+        if not (self.prefill_rps > 0 and self.decode_rps > 0):
+            raise ValueError(f"capacity: req/s per worker must be positive, got {self.prefill_rps}, {self.decode_rps}")
+
     @classmethod
     def from_plan(cls, rate: float, prefill: int, decode: int) -> Capacity:
         """From a configuration found to meet the SLOs at `rate` (each pool's share of that rate)."""
@@ -53,6 +62,7 @@ class ForecastScaler:
     min_workers: tuple[int, int] = (1, 1)
     max_workers: tuple[int, int] = (10_000, 10_000)
     budget: int = 20_000  # prefill + decode workers
+    queue_per_worker: float = 2.0  # waiting jobs per worker of a pool that are not yet backlog
     rates: deque = field(default_factory=deque)  # observed req/s, one per interval
     current: list[int] | None = None  # the fleet as it stands (set it to start from a running fleet)
     lower: list[list[int]] = field(default_factory=lambda: [[], []])  # recent lower wants per pool
@@ -86,7 +96,8 @@ class ForecastScaler:
         ahead = (self.startup_s + self.interval_s) / self.interval_s  # intervals past the last observed one
         return max(0.0, my + slope * (n - 1 - mx + ahead))
 
-    def targets(self, now: float, arrived: int) -> tuple[int, int]:
+    def targets(self, now: float, arrived: int, waiting: tuple[int, int] = (0, 0)) -> tuple[int, int]:
+        """Workers wanted per pool, from the arrivals so far and the jobs waiting for each pool now."""
         if self._last is not None and now > self._last[0]:
             self.rates.append((arrived - self._last[1]) / (now - self._last[0]))
             while len(self.rates) > self.history:
@@ -95,8 +106,9 @@ class ForecastScaler:
         if not self.rates:  # nothing observed yet: keep the fleet as it is
             self.current = list(self.current or self.min_workers)
             return tuple(self.current)
-        want = self.forecast() * (1 + self.headroom)
-        need = [math.ceil(want / self.capacity.prefill_rps - 1e-9), math.ceil(want / self.capacity.decode_rps - 1e-9)]
+        rate = self.forecast() * (1 + self.headroom)
+        want = [rate + max(0.0, q - self.queue_per_worker * n) / self.interval_s for q, n in zip(waiting, self.current)]
+        need = [math.ceil(want[0] / self.capacity.prefill_rps - 1e-9), math.ceil(want[1] / self.capacity.decode_rps - 1e-9)]
         need = [min(max(n, lo), hi) for n, lo, hi in zip(need, self.min_workers, self.max_workers)]
         if sum(need) > self.budget:  # each pool its share of the budget
             scale = self.budget / sum(need)
@@ -110,4 +122,7 @@ class ForecastScaler:
                 if len(self.lower[i]) >= self.down_after:
                     self.current[i] = max(self.lower[i])
                     self.lower[i].clear()
+        while sum(self.current) > self.budget:  # a pool held up by hysteresis yields to the one growing
+            i = max((0, 1), key=lambda k: self.current[k] - need[k])
+            self.current[i] -= 1
         return tuple(self.current)

@@ -7,6 +7,11 @@ counts written to the prefill and decode Deployments' scale subresource:
     every interval:  the gateway Deployment's ready pods → scrape each /metrics → Observation
                      → Autoscaler.step → PATCH deployments/<pool>/scale {"spec": {"replicas": n±1}}
 
+`--policy forecast` is the fleet's policy instead (services/planner/forecast.py, the one the
+planning study of BENCHMARKS.md measures): each pool set to the request rate forecast a startup
+ahead ÷ what one worker carries within the SLOs (`--capacity`, as `pdserve plan` prints it), plus
+any backlog — many pods at once, where the reactive policy moves one at a time.
+
 A removal drains as a local one does: Kubernetes sends the pod it picks SIGTERM, and a worker
 stops taking jobs, finishes what it holds and exits (within terminationGracePeriodSeconds). The
 pod stays in the API with a deletionTimestamp until then, and counts against the budget until it
@@ -34,6 +39,7 @@ from typing import Any
 
 from services.planner.autoscale import KINDS, AutoscaleConfig, LiveAutoscaler, MetricsWatcher, add_limit_args, \
     limits_config
+from services.planner.forecast import Capacity, ForecastScaler
 
 log = logging.getLogger("pdserve.planner")
 
@@ -162,6 +168,48 @@ class KubePlanner:
         return self.live.tick()
 
 
+class ForecastKubePlanner:
+    """`--policy forecast`: every interval, the gateways' arrivals and queues → ForecastScaler →
+    each Deployment's replicas set to its target (counts changed outside are adopted first). The
+    budget counts the pods the planner asks for; pods still terminating after a scale-down are not
+    counted (they hold no new work and leave within their grace period)."""
+
+    def __init__(self, scaler: ForecastScaler, actuator: KubeActuator, gateway: str, gateway_port: int,
+                 clock=time.monotonic):
+        self.scaler, self.actuator, self.clock = scaler, actuator, clock
+        self.watcher = MetricsWatcher(lambda: actuator.gateway_urls(gateway, gateway_port))
+        self.arrived = 0  # requests seen by the gateways since the planner started
+        self._next: float | None = None
+
+    def due(self) -> bool:
+        return self._next is None or self.clock() >= self._next
+
+    def tick(self) -> dict[str, int] | None:
+        """The replica counts written this interval (None: not due, or the scrape failed)."""
+        now = self.clock()
+        if not self.due():
+            return None
+        self._next = now + self.scaler.interval_s
+        try:
+            obs = self.watcher.observe()
+        except OSError as exc:
+            log.warning("planner: scrape failed (%s); skipping an interval", exc)
+            return None
+        counts = self.actuator.counts()
+        have = [counts[k] for k in KINDS]
+        if self.scaler.current is not None and have != self.scaler.current:
+            log.warning("planner: replicas are %s, the planner set %s: adopting them", have, self.scaler.current)
+        self.scaler.current = have
+        self.arrived += obs.requests
+        targets = dict(zip(KINDS, self.scaler.targets(now, self.arrived, (round(obs.prefill_waiting),
+                                                                           round(obs.decode_waiting)))))
+        for kind, n in targets.items():
+            if n != counts[kind]:
+                log.info("planner: %s %d -> %d (forecast %.3g req/s)", kind, counts[kind], n, self.scaler.forecast())
+                self.actuator.client.set_replicas(self.actuator.deployments[kind], n)
+        return targets
+
+
 def add_planner_args(p: argparse.ArgumentParser) -> None:
     k = p.add_argument_group("Kubernetes")
     k.add_argument("--kube-api", default=None,
@@ -174,14 +222,37 @@ def add_planner_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--prefill-deployment", default="prefill")
     k.add_argument("--decode-deployment", default="decode")
     add_limit_args(p.add_argument_group("pools, budget (pods) and SLOs"), max_per_pool=8, what="pods")
+    f = p.add_argument_group("policy")
+    f.add_argument("--policy", choices=("reactive", "forecast"), default="reactive",
+                   help="reactive: one pod at a time when an SLO is missed (a few pods); forecast: each pool "
+                        "sized for the forecast load (a fleet)")
+    f.add_argument("--capacity", default=None, metavar="PREFILL_RPS,DECODE_RPS",
+                   help="forecast: req/s one pod of each pool carries within the SLOs (pdserve plan prints it)")
+    f.add_argument("--startup-s", type=float, default=120.0,
+                   help="forecast: seconds from adding a pod until it serves (how far ahead to forecast)")
+    f.add_argument("--headroom", type=float, default=0.1, help="forecast: capacity above the forecast")
 
 
-def planner_from_args(args, config: AutoscaleConfig) -> KubePlanner:
+def forecast_scaler(args, config: AutoscaleConfig) -> ForecastScaler:
+    try:
+        prefill_rps, decode_rps = (float(x) for x in (args.capacity or "").split(","))
+    except ValueError:
+        raise SystemExit("pdserve planner: --policy forecast needs --capacity PREFILL_RPS,DECODE_RPS "
+                         "(pdserve plan prints it)") from None
+    return ForecastScaler(Capacity(prefill_rps, decode_rps), interval_s=config.interval_s, startup_s=args.startup_s,
+                          headroom=args.headroom, min_workers=(config.min_prefill, config.min_decode),
+                          max_workers=(config.max_prefill, config.max_decode), budget=config.budget)
+
+
+def planner_from_args(args, config: AutoscaleConfig) -> KubePlanner | ForecastKubePlanner:
+    scaler = forecast_scaler(args, config) if args.policy == "forecast" else None
     if args.kube_api:
         client = KubeClient(args.kube_api, args.namespace or "default", args.kube_token_file, args.kube_ca_file)
     else:
         client = KubeClient.in_cluster(args.namespace)
     actuator = KubeActuator(client, {"prefill": args.prefill_deployment, "decode": args.decode_deployment})
+    if scaler is not None:
+        return ForecastKubePlanner(scaler, actuator, args.gateway_deployment, args.gateway_port)
     return KubePlanner(config, actuator, args.gateway_deployment, args.gateway_port)
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from services.planner.forecast import Capacity
 from shared.sim.cluster import ClusterConfig, simulate
 from shared.sim.cost import Profile, load_profile
 
@@ -210,6 +211,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         lines.append("no configuration within the budget meets the SLOs")
     else:
         lines.append(f"recommended: {_describe(rec)}")
+        span = max(r.arrival_s for r in reqs) - min(r.arrival_s for r in reqs)
+        # what one worker of each pool carries at the SLOs: this load ÷ its pool's size (a lower bound
+        # for a pool the search could not make smaller, e.g. one worker)
+        if rec["mode"] == "disaggregated" and span > 0:
+            cap = Capacity.from_plan(len(reqs) / span, rec["prefill"], rec["decode"])
+            result["capacity_rps_per_worker"] = {"prefill": cap.prefill_rps, "decode": cap.decode_rps}
+            lines.append(f"  per worker at these SLOs: {cap.prefill_rps:.3g} req/s prefill, {cap.decode_rps:.3g} "
+                         f"req/s decode (pdserve planner --policy forecast --capacity "
+                         f"{cap.prefill_rps:.3g},{cap.decode_rps:.3g})")
         lines += [f"  runner-up: {_describe(t)} ({t['why']})" for t in result["runner_ups"]]
     lines += [f"  rejected: {_describe(t)}: {t['why_not']}" for t in result["rejected"][:8]]
     if args.json == "-":

@@ -2,9 +2,17 @@
 Mooncake's, how many GPUs does each way of deploying need to meet the same SLOs, and so what is
 each one's goodput per GPU?
 
-    planned      `pdserve plan`'s search: prefill and decode pools sized apart
+    planned      `pdserve plan`'s search: prefill and decode pools sized apart, for the peak
+    planned, scaled over the hour
+                 the same split, resized every minute by the forecast planner (services/planner/
+                 forecast.py): each pool's capacity per worker from the planned configuration at
+                 the peak, the load forecast a startup ahead from the arrivals so far
     static 1:1   disaggregated, as many prefill as decode workers (the smallest such pair that meets them)
     colocated    every worker does both, chunked prefill (the smallest count that meets them)
+
+Goodput per GPU divides the requests that met both SLOs per second by the GPUs held on average
+over the run (a fixed fleet: its size; a scaled one: GPU time ÷ duration, a worker paid for from
+the decision to add it, through its model loading, until it has drained).
 
 SLOs: TTFT and TPOT, each met by at least `attainment`% of requests and both together by that many
 too. The rate is chosen so the planned configuration lands near the GPU target. Searches run on the
@@ -12,10 +20,12 @@ trace's busiest `search_s` seconds (its rate swings ±50% over the hour: sized f
 static deployment must be); each winner is then checked on the whole trace. Colocated tries the
 chunk budgets `colocated_chunks` and keeps the cheapest.
 
-The comparison with static 1:1 is bounded by construction: static needs k = max(P, D) of each, so
-the planned split saves at most 2·max(P, D) / (P + D) < 2× in GPUs — the rest of a planner's gain
-must come from choosing per-pool parallelism or batching, which this profile (one worker = one
-TP8 instance) does not model.
+Sizing alone is bounded: static needs k = max(P, D) of each, so a split sized for the same peak
+saves at most 2·max(P, D) / (P + D) < 2× in GPUs. Following the load through the hour saves at
+most the ratio of the peak's load to the mean (1.5 for this trace's ±50% swing), less the headroom
+and the workers paid for while they load or drain. The rest of a planner's gain would have to come
+from choosing per-pool parallelism or batching, which this profile (one worker = one TP8 instance)
+does not model.
 
     python -m services.planner.study --out study.json      (≈ 10–20 min on 2 cores)
 """
@@ -30,6 +40,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from services.planner.forecast import Capacity, ForecastScaler
 from services.planner.plan import Planner, PlanSpec
 from shared.sim.cluster import ClusterConfig, simulate
 from shared.sim.cost import load_profile
@@ -57,7 +68,10 @@ def busiest(requests: list, window_s: float) -> list:
 
 def run_study(profile_path: str, rate: float, duration_s: float, search_s: float, slo_ttft_ms: float,
               slo_tpot_ms: float, attainment: float, max_workers: int, seed: int = 0,
-              colocated_chunks: tuple[int, ...] = (512, 1024, 2048)) -> dict[str, Any]:
+              colocated_chunks: tuple[int, ...] = (512, 1024, 2048), interval_s: float = 60.0,
+              startup_s: float = 120.0, headroom: float = 0.1,
+              variants: tuple[tuple[float, float], ...] = ()) -> dict[str, Any]:
+    """`variants`: more (headroom, startup_s) pairs for the scaled fleet, each a row of its own."""
     profile = load_profile(profile_path)
     gpw = profile.limits.gpus_per_worker
     full = trace(rate, duration_s, seed)
@@ -79,14 +93,34 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
         if n and (found["colocated"] is None or n < found["colocated"].decode):
             found["colocated"] = replace(colo, decode=n)
     search_wall = time.perf_counter() - t0
+    scalers: dict[str, ForecastScaler] = {}
+    if found["planned"] is not None:  # the planned split, resized through the hour
+        p = found["planned"]
+        cap = Capacity.from_plan(len(search) / search_s, p.prefill, p.decode)
+        # it starts as the planned fleet (sized for the peak) and follows the arrivals from there
+        for i, (room, startup) in enumerate(((headroom, startup_s),) + tuple(variants)):
+            name = "planned, scaled over the hour" + (f" (headroom {room:g}, startup {startup:g} s)" if i else "")
+            scalers[name] = ForecastScaler(cap, interval_s=interval_s, startup_s=startup, headroom=room,
+                                           current=[p.prefill, p.decode], max_workers=(max_workers, max_workers),
+                                           budget=max_workers)
+            found[name] = p
     rows = {}
     for name, config in found.items():
         if config is None:
             rows[name] = None
             continue
-        s = simulate(profile, config, [replace(r) for r in full], slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
-        gpus = config.num_workers * gpw
-        rows[name] = {"prefill": config.prefill if config.mode != "colocated" else 0, "decode": config.decode,
+        scaler = scalers.get(name)
+        s = simulate(profile, config, [replace(r) for r in full], slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
+                     scaler=scaler)
+        gpus = s["per_gpu"]["gpus"]  # a scaled fleet: the mean over the run
+        cost = {k: v for k, v in s["cost"].items() if "workers" in v}
+        rows[name] = {"prefill": round(cost.get("prefill", {}).get("workers", 0), 2),  # a scaled fleet: means
+                      "decode": round((cost.get("decode") or cost["colocated"])["workers"], 2),
+                      "max_gpus": sum(v["max_workers"] for v in cost.values()) * gpw,
+                      "scaling": {"interval_s": interval_s, "startup_s": scaler.startup_s,
+                                  "headroom": scaler.headroom,
+                                  "capacity_rps_per_worker": scaler.capacity.__dict__,
+                                  "changes": s["scaling"]["changes"], "log": s["scaling"]["log"]} if scaler else None,
                       "chunk_budget": config.max_num_batched_tokens,
                       "gpus": gpus, "requests": s["sent"], "request_goodput": s["goodput"]["request_goodput"],
                       "goodput_per_gpu": s["goodput"]["request_goodput"] / gpus,
@@ -97,10 +131,10 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
                       "utilization": {k: v["utilization"] for k, v in s["cost"].items() if "utilization" in v}}
         log.info("%s: %s", name, rows[name])
     ratios = {}
-    if rows.get("planned"):
+    for mine in ("planned", "planned, scaled over the hour"):
         for other in ("static 1:1", "colocated"):
-            if rows.get(other):
-                ratios[f"planned_vs_{other}"] = rows["planned"]["goodput_per_gpu"] / rows[other]["goodput_per_gpu"]
+            if rows.get(mine) and rows.get(other):
+                ratios[f"{mine}_vs_{other}"] = rows[mine]["goodput_per_gpu"] / rows[other]["goodput_per_gpu"]
     return {"profile": profile_path, "profile_meta": profile.meta, "rate": rate, "duration_s": duration_s,
             "search_s": search_s, "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms, "attainment_pct": attainment},
             "rows": rows, "goodput_per_gpu_ratios": ratios, "simulations": len(planner.trials) + len(found),
@@ -118,11 +152,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-tpot-ms", type=float, default=40.0)
     p.add_argument("--attainment", type=float, default=95.0)
     p.add_argument("--max-workers", type=int, default=250)
+    p.add_argument("--interval", type=float, default=60.0, help="seconds between the scaled fleet's decisions")
+    p.add_argument("--startup", type=float, default=120.0, help="seconds from adding a worker until it serves")
+    p.add_argument("--headroom", type=float, default=0.1, help="capacity above the forecast")
+    p.add_argument("--variant", action="append", default=[], metavar="HEADROOM:STARTUP",
+                   help="another scaled fleet with this headroom and startup (repeatable)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     result = run_study(args.profile, args.rate, args.duration, args.search, args.slo_ttft_ms, args.slo_tpot_ms,
-                       args.attainment, args.max_workers)
+                       args.attainment, args.max_workers, interval_s=args.interval, startup_s=args.startup,
+                       headroom=args.headroom,
+                       variants=tuple(tuple(float(x) for x in v.split(":")) for v in args.variant))
     print(json.dumps(result["rows"], indent=1))
     print(json.dumps(result["goodput_per_gpu_ratios"]))
     if args.out:

@@ -91,8 +91,9 @@ class Scaler(Protocol):
     interval_s: float  # a decision this often
     startup_s: float  # from a decision to add a worker until it takes jobs
 
-    def targets(self, now: float, arrived: int) -> tuple[int, int]:
-        """(prefill, decode) workers wanted, from the arrivals so far (colocated: prefill ignored)."""
+    def targets(self, now: float, arrived: int, waiting: tuple[int, int]) -> tuple[int, int]:
+        """(prefill, decode) workers wanted, from the arrivals so far and the jobs waiting now for a
+        worker of each pool — what a gateway's metrics show (colocated: prefill ignored)."""
         ...
 
 
@@ -398,7 +399,10 @@ class Cluster:
     # -------------------------------------------------------------------------------- scaling
 
     def _tick(self, t: float) -> None:
-        prefill, decode = self.scaler.targets(t, self.arrived)
+        waiting = (len(self.prefill_q), len(self.decode_q) + len(self.direct_q))
+        if self.config.mode == "colocated":
+            waiting = (0, waiting[0] + waiting[1])
+        prefill, decode = self.scaler.targets(t, self.arrived, waiting)
         changed = self.config.mode != "colocated" and self._scale("prefill", max(1, prefill), t)
         if self._scale("decode", max(1, decode), t) or changed:
             self.scale_log.append((t, self._count("prefill"), self._count("decode")))

@@ -254,3 +254,35 @@ def test_calls_carry_the_token_and_a_bad_one_is_an_error(system, tmp_path):
     bad.write_text("nope")
     with pytest.raises(OSError, match="401"):
         KubeClient(kube.url, NS, token_file=bad).replicas("decode")
+
+
+def test_forecast_policy_sizes_both_pools_at_once_from_the_arrivals(system):
+    from services.planner.forecast import Capacity, ForecastScaler
+    from services.planner.kube import ForecastKubePlanner
+
+    kube, gateways, client, port = system
+    clock = [0.0]
+    scaler = ForecastScaler(Capacity(2.0, 5.0), interval_s=10.0, startup_s=10.0, headroom=0.0, history=3,
+                            down_after=2, max_workers=(20, 20), budget=30)
+    planner = ForecastKubePlanner(scaler, KubeActuator(client, {"prefill": "prefill", "decode": "decode"}),
+                                  "gateway", port, clock=lambda: clock[0])
+
+    def interval(per_gateway=0):
+        for g in gateways:
+            g.serve(per_gateway, 0.01)
+        out = planner.tick()
+        clock[0] += scaler.interval_s
+        return out
+
+    interval()  # the baseline: the fleet as it is
+    for _ in range(3):  # 2 gateways × 100 requests per 10 s: 20 req/s → 10 prefill, 4 decode
+        interval(100)
+    assert kube.replicas["prefill"] == 10 and kube.replicas["decode"] == 4
+    assert [n for d, n in kube.patches if d == "prefill"] == [10]  # one write, not one pod at a time
+    kube.scale_outside("decode", 6)  # kubectl scale: adopted as the count to hold or shrink from
+    assert interval(100) == {"prefill": 10, "decode": 6}
+    for _ in range(8):  # traffic stops: after the hysteresis, both to their minimum
+        interval()
+    assert kube.replicas["prefill"] == 1 and kube.replicas["decode"] == 1
+    with pytest.raises(ValueError):
+        Capacity(0.0, 1.0)

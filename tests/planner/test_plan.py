@@ -67,3 +67,6 @@ def test_plan_cli(tmp_path):
     assert "recommended:" in proc.stdout
     data = json.loads(out.read_text())
     assert data["recommended"]["workers"] <= 4
+    if data["recommended"]["mode"] == "disaggregated":  # what `pdserve planner --policy forecast` takes
+        cap = data["capacity_rps_per_worker"]
+        assert cap["prefill"] > 0 and cap["decode"] > 0 and "--capacity" in proc.stdout
