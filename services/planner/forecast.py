@@ -7,7 +7,8 @@ day needs what Dynamo's SLA planner does instead: know what one worker sustains 
 to forecast ÷ capacity — early enough that the workers have loaded their model when the load comes.
 
     every interval:  rate of the last interval → linear trend over the last `history` intervals
-                     (where it stands out of the noise) → the rate `startup_s + interval_s` ahead,
+                     (where it stands out of the noise) → its highest rate between the next
+                     interval and `startup_s + interval_s` ahead,
                      × (1 + headroom), + each pool's backlog ÷ interval → workers per pool
 
 The backlog term is what keeps a forecast's miss from lasting: a pool that fell behind holds a queue
@@ -77,11 +78,13 @@ class ForecastScaler:
             raise ValueError("forecast scaler: need 1 <= min <= max per pool and the minimums within the budget")
 
     def forecast(self) -> float:
-        """The request rate `startup_s + interval_s` from now: a least-squares line through the last
-        `history` intervals' rates, never below zero. The slope is used only where it stands out of
-        the noise (beyond two standard errors, with at least Poisson noise: a rate counted over an
-        interval varies by √(rate ÷ interval)); otherwise the forecast is the mean. Extrapolating a
-        slope fitted to noise is what makes a predictive planner oscillate."""
+        """The most requests per second expected before a worker added now could serve: the
+        least-squares line through the last `history` intervals' rates, at its highest from the
+        next interval to `startup_s` + one interval ahead (a worker removed now is missing all that
+        time; one added now helps only at its end), never below zero. The slope is used only where
+        it stands out of the noise (beyond two standard errors, with at least Poisson noise: a rate
+        counted over an interval varies by √(rate ÷ interval)); otherwise the forecast is the mean.
+        Extrapolating a slope fitted to noise is what makes a predictive planner oscillate."""
         ys = list(self.rates)[-self.history:]
         if len(ys) < 2:
             return ys[-1] if ys else 0.0
@@ -94,7 +97,7 @@ class ForecastScaler:
         if abs(slope) < 2 * math.sqrt(noise / sxx):
             slope = 0.0
         ahead = (self.startup_s + self.interval_s) / self.interval_s  # intervals past the last observed one
-        return max(0.0, my + slope * (n - 1 - mx + ahead))
+        return max(0.0, my + slope * (n - 1 - mx + (ahead if slope > 0 else 1.0)))
 
     def targets(self, now: float, arrived: int, waiting: tuple[int, int] = (0, 0)) -> tuple[int, int]:
         """Workers wanted per pool, from the arrivals so far and the jobs waiting for each pool now."""

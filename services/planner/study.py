@@ -66,20 +66,8 @@ def busiest(requests: list, window_s: float) -> list:
     return [replace(r, arrival_s=r.arrival_s - start) for r in requests[best[0]:best[1]]]
 
 
-def run_study(profile_path: str, rate: float, duration_s: float, search_s: float, slo_ttft_ms: float,
-              slo_tpot_ms: float, attainment: float, max_workers: int, seed: int = 0,
-              colocated_chunks: tuple[int, ...] = (512, 1024, 2048), interval_s: float = 60.0,
-              startup_s: float = 120.0, headroom: float = 0.1,
-              variants: tuple[tuple[float, float], ...] = ()) -> dict[str, Any]:
-    """`variants`: more (headroom, startup_s) pairs for the scaled fleet, each a row of its own."""
-    profile = load_profile(profile_path)
-    gpw = profile.limits.gpus_per_worker
-    full = trace(rate, duration_s, seed)
-    search = busiest(full, search_s)
-    spec = PlanSpec(slo_ttft_ms, slo_tpot_ms, max_workers, modes=("disaggregated",), kv_path="network",
-                    attainment_pct=attainment)
-    planner = Planner(profile, spec, lambda: [replace(r) for r in search], slo_tpot_ms)
-    t0 = time.perf_counter()
+def _search(planner: Planner, spec: PlanSpec, max_workers: int,
+            colocated_chunks: tuple[int, ...]) -> dict[str, ClusterConfig | None]:
     found: dict[str, ClusterConfig | None] = {}
     planned = planner.plan_disaggregated(None)
     found["planned"] = planned.config if planned else None
@@ -92,6 +80,39 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
         n = planner.smallest(lambda k: replace(colo, decode=k), lambda t: t.meets(spec), max_workers)
         if n and (found["colocated"] is None or n < found["colocated"].decode):
             found["colocated"] = replace(colo, decode=n)
+    return found
+
+
+def _config(name: str, row: dict[str, Any] | None) -> ClusterConfig | None:
+    """A fixed configuration back from a row of an earlier result."""
+    if row is None:
+        return None
+    mode = "colocated" if name == "colocated" else "disaggregated"
+    return ClusterConfig(mode=mode, kv_path="network", prefill=max(1, round(row["prefill"])),
+                         decode=round(row["decode"]), max_num_batched_tokens=row["chunk_budget"])
+
+
+def run_study(profile_path: str, rate: float, duration_s: float, search_s: float, slo_ttft_ms: float,
+              slo_tpot_ms: float, attainment: float, max_workers: int, seed: int = 0,
+              colocated_chunks: tuple[int, ...] = (512, 1024, 2048), interval_s: float = 60.0,
+              startup_s: float = 120.0, headroom: float = 0.1,
+              variants: tuple[tuple[float, float], ...] = (), configs_from: dict[str, Any] | None = None
+              ) -> dict[str, Any]:
+    """`variants`: more (headroom, startup_s) pairs for the scaled fleet, each a row of its own.
+    `configs_from`: an earlier result of the study: its configurations are simulated again without
+    the searches (for a change to the scaled fleet's policy, which the searches do not depend on)."""
+    profile = load_profile(profile_path)
+    gpw = profile.limits.gpus_per_worker
+    full = trace(rate, duration_s, seed)
+    search = busiest(full, search_s)
+    spec = PlanSpec(slo_ttft_ms, slo_tpot_ms, max_workers, modes=("disaggregated",), kv_path="network",
+                    attainment_pct=attainment)
+    planner = Planner(profile, spec, lambda: [replace(r) for r in search], slo_tpot_ms)
+    t0 = time.perf_counter()
+    if configs_from is not None:
+        found = {name: _config(name, configs_from["rows"].get(name)) for name in ("planned", "static 1:1", "colocated")}
+    else:
+        found = _search(planner, spec, max_workers, colocated_chunks)
     search_wall = time.perf_counter() - t0
     scalers: dict[str, ForecastScaler] = {}
     if found["planned"] is not None:  # the planned split, resized through the hour
@@ -138,7 +159,8 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
     return {"profile": profile_path, "profile_meta": profile.meta, "rate": rate, "duration_s": duration_s,
             "search_s": search_s, "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms, "attainment_pct": attainment},
             "rows": rows, "goodput_per_gpu_ratios": ratios, "simulations": len(planner.trials) + len(found),
-            "search_wall_s": search_wall}
+            "search_wall_s": search_wall if configs_from is None else configs_from.get("search_wall_s"),
+            "searched": configs_from is None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,13 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--headroom", type=float, default=0.1, help="capacity above the forecast")
     p.add_argument("--variant", action="append", default=[], metavar="HEADROOM:STARTUP",
                    help="another scaled fleet with this headroom and startup (repeatable)")
+    p.add_argument("--configs-from", default=None, metavar="RESULTS.json",
+                   help="simulate an earlier result's configurations again instead of searching")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     result = run_study(args.profile, args.rate, args.duration, args.search, args.slo_ttft_ms, args.slo_tpot_ms,
                        args.attainment, args.max_workers, interval_s=args.interval, startup_s=args.startup,
                        headroom=args.headroom,
-                       variants=tuple(tuple(float(x) for x in v.split(":")) for v in args.variant))
+                       variants=tuple(tuple(float(x) for x in v.split(":")) for v in args.variant),
+                       configs_from=json.loads(Path(args.configs_from).read_text()) if args.configs_from else None)
     print(json.dumps(result["rows"], indent=1))
     print(json.dumps(result["goodput_per_gpu_ratios"]))
     if args.out:

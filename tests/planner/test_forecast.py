@@ -27,6 +27,10 @@ def test_forecast_follows_the_trend_a_startup_ahead():
     s = ForecastScaler(Capacity(10.0, 20.0), interval_s=60, startup_s=120, headroom=0.0, history=5)
     _feed(s, [100, 110, 120, 130, 140])
     assert s.forecast() == pytest.approx(140 + 10 * 3)  # three intervals past the last one observed
+    s = ForecastScaler(Capacity(10.0, 20.0), interval_s=60, startup_s=120, headroom=0.0, history=5)
+    _feed(s, [140, 130, 120, 110, 100])
+    # falling: a worker removed now is missing from the next interval on, so the next one's rate counts
+    assert s.forecast() == pytest.approx(100 - 10)
     s = ForecastScaler(Capacity(10.0, 20.0), interval_s=60, startup_s=0, headroom=0.0)
     _feed(s, [100, 50, 0, 0, 0])
     assert s.forecast() == 0.0  # never below zero
