@@ -239,9 +239,13 @@ def forecast_scaler(args, config: AutoscaleConfig) -> ForecastScaler:
     except ValueError:
         raise SystemExit("pdserve planner: --policy forecast needs --capacity PREFILL_RPS,DECODE_RPS "
                          "(pdserve plan prints it)") from None
-    return ForecastScaler(Capacity(prefill_rps, decode_rps), interval_s=config.interval_s, startup_s=args.startup_s,
-                          headroom=args.headroom, min_workers=(config.min_prefill, config.min_decode),
-                          max_workers=(config.max_prefill, config.max_decode), budget=config.budget)
+    try:
+        return ForecastScaler(Capacity(prefill_rps, decode_rps), interval_s=config.interval_s,
+                              startup_s=args.startup_s, headroom=args.headroom,
+                              min_workers=(config.min_prefill, config.min_decode),
+                              max_workers=(config.max_prefill, config.max_decode), budget=config.budget)
+    except ValueError as exc:  # a capacity of 0, a minimum of 0 pods, a negative headroom …
+        raise SystemExit(f"pdserve planner: {exc}") from None
 
 
 def planner_from_args(args, config: AutoscaleConfig) -> KubePlanner | ForecastKubePlanner:

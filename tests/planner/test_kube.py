@@ -286,3 +286,15 @@ def test_forecast_policy_sizes_both_pools_at_once_from_the_arrivals(system):
     assert kube.replicas["prefill"] == 1 and kube.replicas["decode"] == 1
     with pytest.raises(ValueError):
         Capacity(0.0, 1.0)
+
+
+@pytest.mark.parametrize("flags, says", [(["--capacity", "0,5"], "must be positive"),
+                                         (["--capacity", "2"], "needs --capacity"),
+                                         (["--capacity", "2,5", "--min-prefill", "0"], "1 <= min")])
+def test_forecast_policy_bad_flags_are_a_clear_error(flags, says):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "planner", "--policy", "forecast", "--kube-api",
+                           "http://127.0.0.1:1", *flags], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
