@@ -4,6 +4,11 @@ report what `pdserve bench` would (same JSON shape: runs[].summary), plus cost p
     pdserve simulate --workload chat --prefill 1 --decode 1 --duration 60 --request-rate 0.5 --json -
     pdserve simulate --trace mooncake.jsonl --prefill 300 --decode 700 --profile gpu.json --json out.json
     pdserve simulate --workload interference --max-concurrency 4 --duration 30 --long-interval 5
+    pdserve simulate --trace day.jsonl --prefill 90 --decode 35 --scale-capacity 3.97,10.2 --startup-s 120
+
+With `--scale-capacity`, the pools change size while it runs: the forecast planner of `pdserve
+planner --policy forecast` (services/planner/forecast.py) decides every `--scale-interval`, starting
+from --prefill / --decode; cost is the GPU time each worker was held.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from services.bench.workloads import WORKLOADS, Workload, parse_range
+from services.planner.forecast import Capacity, ForecastScaler
 from shared.sim.cluster import MODES, ClosedLoop, ClusterConfig, simulate
 from shared.sim.cost import Profile, load_profile
 from shared.sim.workload import bench_request, poisson_requests, read_trace
@@ -43,6 +49,14 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="chunk budget (default: the profile's)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="per decode worker")
+    g = p.add_argument_group("a fleet resized while it runs (the forecast planner)")
+    g.add_argument("--scale-capacity", default=None, metavar="PREFILL_RPS,DECODE_RPS",
+                   help="req/s one worker of each pool carries within the SLOs (pdserve plan prints it); "
+                        "turns resizing on")
+    g.add_argument("--scale-interval", type=float, default=60.0, help="seconds between decisions")
+    g.add_argument("--startup-s", type=float, default=120.0, help="seconds from adding a worker until it serves")
+    g.add_argument("--headroom", type=float, default=0.1, help="capacity above the forecast")
+    g.add_argument("--max-workers", type=int, default=10_000, help="prefill + decode workers at most")
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -74,6 +88,20 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
                          num_kv_blocks=args.num_kv_blocks)
 
 
+def make_scaler(args: argparse.Namespace, config: ClusterConfig) -> ForecastScaler | None:
+    """A fresh forecast planner for one run (it keeps state), or None without --scale-capacity."""
+    if not getattr(args, "scale_capacity", None):
+        return None
+    try:
+        prefill_rps, decode_rps = (float(x) for x in args.scale_capacity.split(","))
+    except ValueError:
+        raise ValueError("--scale-capacity takes PREFILL_RPS,DECODE_RPS") from None
+    start = [config.prefill if config.mode != "colocated" else 1, config.decode]
+    return ForecastScaler(Capacity(prefill_rps, decode_rps), interval_s=args.scale_interval, startup_s=args.startup_s,
+                          headroom=args.headroom, current=start, budget=args.max_workers,
+                          max_workers=(args.max_workers, args.max_workers))
+
+
 def request_list(args: argparse.Namespace) -> list:
     """The open-loop requests of a trace or a bench workload at Poisson --request-rate."""
     if args.trace:
@@ -92,7 +120,8 @@ def run_simulation(args: argparse.Namespace, profile: Profile, config: ClusterCo
     """One run per phase (interference: baseline and with long prompts), like `pdserve bench`."""
     slo = dict(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
     if args.trace:
-        return [_run("trace", math.nan, None, simulate(profile, config, request_list(args), **slo))]
+        return [_run("trace", math.nan, None, simulate(profile, config, request_list(args), **slo,
+                                                        scaler=make_scaler(args, config)))]
     if args.workload == "interference":
         if args.duration is None:
             raise ValueError("the interference workload needs --duration (and --max-concurrency chat streams)")
@@ -108,12 +137,14 @@ def run_simulation(args: argparse.Namespace, profile: Profile, config: ClusterCo
                     at, j = at + args.long_interval, j + 1
             closed = ClosedLoop(lambda i, first=k * RUN_INDEX_STRIDE: bench_request(chat, first + i, 0.0),
                                 args.max_concurrency, args.duration)
-            summary = simulate(profile, config, arrivals, closed=closed, itl_from_s=args.warmup, **slo)
+            summary = simulate(profile, config, arrivals, closed=closed, itl_from_s=args.warmup, **slo,
+                               scaler=make_scaler(args, config))
             runs.append(_run(phase, math.inf, args.max_concurrency, summary))
         return runs
     reqs = request_list(args)
     label = f"rate {args.request_rate:g} req/s"
-    return [_run(label, args.request_rate, None, simulate(profile, config, reqs, **slo))]
+    return [_run(label, args.request_rate, None, simulate(profile, config, reqs, **slo,
+                                                          scaler=make_scaler(args, config)))]
 
 
 def _run(label: str, rate: float, cap: int | None, summary: dict[str, Any]) -> dict[str, Any]:
@@ -150,6 +181,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         lines += [_title(f"Simulated: {run['label']}", "="), *format_summary(s),
                   f"simulated {s['sent']} requests in {s['sim']['wall_s']:.2f} s wall "
                   f"({s['sim']['requests_per_wall_s']:.0f} req/s, {s['sim']['events']} events)"]
+        if "scaling" in s:
+            pools = ", ".join(f"{k} {c['workers']:.1f} on average (at most {c['max_workers']})"
+                              for k, c in s["cost"].items() if "max_workers" in c)
+            lines.append(f"resized {s['scaling']['changes']} times: {pools}")
     if args.json == "-":
         print(text)
         print("\n".join(lines), file=sys.stderr)

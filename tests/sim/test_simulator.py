@@ -288,3 +288,16 @@ def test_a_worker_removed_while_loading_never_serves():
     (gone,) = cluster.retired
     assert gone.born_s == 1.0 and gone.retired_s == 2.0 and gone.busy_s == 0
     assert cluster.report()["cost"]["decode"]["max_workers"] == 2
+
+
+def test_simulate_cli_resizes_with_the_forecast_planner():
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "simulate", "--workload", "chat", "--duration", "120",
+                           "--request-rate", "2", "--prefill", "1", "--decode", "1", "--scale-capacity", "0.5,0.5",
+                           "--scale-interval", "10", "--startup-s", "10", "--max-workers", "6", "--json", "-"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    s = json.loads(proc.stdout)["runs"][0]["summary"]
+    assert s["completed"] == s["sent"] > 0
+    assert s["scaling"]["changes"] >= 1 and "resized" in proc.stderr
+    assert max(p + d for _, p, d in s["scaling"]["log"]) <= 6  # 2 req/s ÷ 0.5 wants 4 + 4: the budget binds
+    assert s["cost"]["prefill"]["max_workers"] > 1 and 1 < s["per_gpu"]["workers"] <= 6
