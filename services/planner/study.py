@@ -27,7 +27,8 @@ and the workers paid for while they load or drain. The rest of a planner's gain 
 from choosing per-pool parallelism or batching, which this profile (one worker = one TP8 instance)
 does not model.
 
-    python -m services.planner.study --out study.json      (≈ 10–20 min on 2 cores)
+    python -m services.planner.study --out study.json      (≈ 30 min: 21 of them the searches)
+    python -m services.planner.study --configs-from study.json --out study2.json      (no searches: ≈ 10 min)
 """
 
 from __future__ import annotations
