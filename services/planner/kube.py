@@ -127,6 +127,11 @@ class KubeActuator:
         n, _ = self.client.replicas(deployment)
         self.client.set_replicas(deployment, max(0, n - 1))
 
+    def terminating(self) -> int:
+        """Pods of the pools still terminating (draining) now."""
+        return sum(1 for d in self.deployments.values() for p in self.client.pods(self.client.replicas(d)[1])
+                   if p.get("metadata", {}).get("deletionTimestamp"))
+
     def exited(self, name: str) -> bool:
         deployment = name.rsplit("/", 1)[0]
         _, selector = self.client.replicas(deployment)
@@ -170,13 +175,14 @@ class KubePlanner:
 
 class ForecastKubePlanner:
     """`--policy forecast`: every interval, the gateways' arrivals and queues → ForecastScaler →
-    each Deployment's replicas set to its target (counts changed outside are adopted first). The
-    budget counts the pods the planner asks for; pods still terminating after a scale-down are not
-    counted (they hold no new work and leave within their grace period)."""
+    each Deployment's replicas set to its target (counts changed outside are adopted first). Pods
+    still terminating after a scale-down (draining) count against the budget until they are gone,
+    as in the reactive policy."""
 
     def __init__(self, scaler: ForecastScaler, actuator: KubeActuator, gateway: str, gateway_port: int,
                  clock=time.monotonic):
         self.scaler, self.actuator, self.clock = scaler, actuator, clock
+        self.budget = scaler.budget
         self.watcher = MetricsWatcher(lambda: actuator.gateway_urls(gateway, gateway_port))
         self.arrived = 0  # requests seen by the gateways since the planner started
         self._next: float | None = None
@@ -200,6 +206,7 @@ class ForecastKubePlanner:
         if self.scaler.current is not None and have != self.scaler.current:
             log.warning("planner: replicas are %s, the planner set %s: adopting them", have, self.scaler.current)
         self.scaler.current = have
+        self.scaler.budget = max(sum(self.scaler.min_workers), self.budget - self.actuator.terminating())
         self.arrived += obs.requests
         targets = dict(zip(KINDS, self.scaler.targets(now, self.arrived, (round(obs.prefill_waiting),
                                                                            round(obs.decode_waiting)))))

@@ -298,3 +298,34 @@ def test_forecast_policy_bad_flags_are_a_clear_error(flags, says):
     proc = subprocess.run([sys.executable, "-m", "services.cli", "planner", "--policy", "forecast", "--kube-api",
                            "http://127.0.0.1:1", *flags], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_forecast_policy_counts_terminating_pods_against_the_budget(system):
+    from services.planner.forecast import Capacity, ForecastScaler
+    from services.planner.kube import ForecastKubePlanner
+
+    kube, gateways, client, port = system
+    clock = [0.0]
+    scaler = ForecastScaler(Capacity(2.0, 5.0), interval_s=10.0, startup_s=0.0, headroom=0.0, history=2,
+                            down_after=1, max_workers=(20, 20), budget=16)
+    planner = ForecastKubePlanner(scaler, KubeActuator(client, {"prefill": "prefill", "decode": "decode"}),
+                                  "gateway", port, clock=lambda: clock[0])
+
+    def interval(per_gateway=0):
+        for g in gateways:
+            g.serve(per_gateway, 0.01)
+        planner.tick()
+        clock[0] += scaler.interval_s
+
+    interval()
+    interval(100)  # 20 req/s: 10 prefill + 4 decode
+    assert (kube.replicas["prefill"], kube.replicas["decode"]) == (10, 4)
+    for _ in range(3):  # quiet: down to the minimum, 12 pods left draining
+        interval()
+    assert (kube.replicas["prefill"], kube.replicas["decode"]) == (1, 1)
+    assert kube.terminating("prefill") + kube.terminating("decode") == 12
+    interval(100)  # the load is back while they drain: 16 − 12 pods of budget for both pools
+    assert kube.replicas["prefill"] + kube.replicas["decode"] <= 4
+    kube.exit_terminating()
+    interval(100)
+    assert (kube.replicas["prefill"], kube.replicas["decode"]) == (10, 4)
