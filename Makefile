@@ -20,6 +20,7 @@ install: $(VENV)/.installed
 
 model: install
 	$(BIN)/pdserve model pull
+	$(BIN)/python -m shared.kernels.cpu_ext
 
 run: install model
 	$(BIN)/pdserve up

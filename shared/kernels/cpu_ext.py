@@ -102,3 +102,10 @@ def load() -> ModuleType | None:
         BUILD_SECONDS = time.perf_counter() - t0
         log.info("built the CPU extension in %.1f s (cached in %s)", BUILD_SECONDS, build_dir)
     return module
+
+
+if __name__ == "__main__":  # `make model`: build the kernels once at install, not in a user's first request
+    logging.basicConfig(level="INFO", format="%(message)s")
+    ready = load() is not None
+    print("pdserve CPU kernels: " + ("ready" if ready else "unavailable here (the torch path will run)")
+          + (f", built in {BUILD_SECONDS:.0f} s" if BUILD_SECONDS is not None else ""))
