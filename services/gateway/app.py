@@ -35,7 +35,6 @@ from shared.protocol.messages import ResetReply, decode
 from shared.transport import nats_bus, valkey
 
 log = logging.getLogger(__name__)
-REPLAY_ASK_DELAYS_S = (1.0, 2.0)  # after a reconnect, before asking the workers for recent token events
 _background: set[asyncio.Task] = set()  # (tasks kept referenced until they finish)
 
 
@@ -83,7 +82,7 @@ class GatewayState:
 
         def ask_for_replay() -> None:  # events published while this gateway was away were dropped
             async def ask() -> None:
-                for delay in REPLAY_ASK_DELAYS_S:  # once its subscriptions have spread through the cluster
+                for delay in nats_bus.REPLAY_DELAYS_S:  # once its subscriptions have spread through the cluster
                     await asyncio.sleep(delay)
                     if nc is not None and nc.is_connected:
                         await nc.publish(subjects.REPLAY_TOKENS, b"")

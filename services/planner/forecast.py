@@ -45,6 +45,15 @@ class Capacity:
             raise ValueError(f"capacity: req/s per worker must be positive, got {self.prefill_rps}, {self.decode_rps}")
 
     @classmethod
+    def parse(cls, text: str) -> Capacity:
+        """From "PREFILL_RPS,DECODE_RPS" (a flag's value, as `pdserve plan` prints it)."""
+        try:
+            prefill_rps, decode_rps = (float(x) for x in text.split(","))
+        except ValueError:
+            raise ValueError(f"capacity takes PREFILL_RPS,DECODE_RPS (pdserve plan prints it), got {text!r}") from None
+        return cls(prefill_rps, decode_rps)
+
+    @classmethod
     def from_plan(cls, rate: float, prefill: int, decode: int) -> Capacity:
         """From a configuration found to meet the SLOs at `rate` (each pool's share of that rate)."""
         if rate <= 0 or prefill < 1 or decode < 1:

@@ -105,6 +105,13 @@ class KubeActuator:
     def __init__(self, client: KubeClient, deployments: dict[str, str]):
         self.client, self.deployments = client, deployments
         self._next = {kind: 0 for kind in deployments}
+        self._selectors: dict[str, str] = {}
+
+    def _selector(self, deployment: str) -> str:
+        """A Deployment's pod label selector (asked once: it does not change)."""
+        if not self._selectors.get(deployment):
+            self._selectors[deployment] = self.client.replicas(deployment)[1]
+        return self._selectors[deployment]
 
     def counts(self) -> dict[str, int]:
         return {kind: self.client.replicas(d)[0] for kind, d in self.deployments.items()}
@@ -129,19 +136,17 @@ class KubeActuator:
 
     def terminating(self) -> int:
         """Pods of the pools still terminating (draining) now."""
-        return sum(1 for d in self.deployments.values() for p in self.client.pods(self.client.replicas(d)[1])
+        return sum(1 for d in self.deployments.values() for p in self.client.pods(self._selector(d))
                    if p.get("metadata", {}).get("deletionTimestamp"))
 
     def exited(self, name: str) -> bool:
         deployment = name.rsplit("/", 1)[0]
-        _, selector = self.client.replicas(deployment)
-        return not any(p.get("metadata", {}).get("deletionTimestamp") for p in self.client.pods(selector))
+        return not any(p.get("metadata", {}).get("deletionTimestamp") for p in self.client.pods(self._selector(deployment)))
 
     def gateway_urls(self, deployment: str, port: int) -> list[str]:
         """The gateway pods that are ready now (each is scraped: behind the Service each scrape
         would reach another one, and their counters are their own)."""
-        _, selector = self.client.replicas(deployment)
-        return [f"http://{p['status']['podIP']}:{port}" for p in self.client.pods(selector)
+        return [f"http://{p['status']['podIP']}:{port}" for p in self.client.pods(self._selector(deployment))
                 if _ready(p) and not p.get("metadata", {}).get("deletionTimestamp") and p.get("status", {}).get("podIP")]
 
 
@@ -241,17 +246,14 @@ def add_planner_args(p: argparse.ArgumentParser) -> None:
 
 
 def forecast_scaler(args, config: AutoscaleConfig) -> ForecastScaler:
-    try:
-        prefill_rps, decode_rps = (float(x) for x in (args.capacity or "").split(","))
-    except ValueError:
+    if not args.capacity or args.capacity.count(",") != 1:
         raise SystemExit("pdserve planner: --policy forecast needs --capacity PREFILL_RPS,DECODE_RPS "
-                         "(pdserve plan prints it)") from None
-    try:
-        return ForecastScaler(Capacity(prefill_rps, decode_rps), interval_s=config.interval_s,
-                              startup_s=args.startup_s, headroom=args.headroom,
-                              min_workers=(config.min_prefill, config.min_decode),
+                         "(pdserve plan prints it)")
+    try:  # a bad capacity, a minimum of 0 pods, a negative headroom …: one line, no traceback
+        return ForecastScaler(Capacity.parse(args.capacity), interval_s=config.interval_s, startup_s=args.startup_s,
+                              headroom=args.headroom, min_workers=(config.min_prefill, config.min_decode),
                               max_workers=(config.max_prefill, config.max_decode), budget=config.budget)
-    except ValueError as exc:  # a capacity of 0, a minimum of 0 pods, a negative headroom …
+    except ValueError as exc:
         raise SystemExit(f"pdserve planner: {exc}") from None
 
 

@@ -92,12 +92,8 @@ def make_scaler(args: argparse.Namespace, config: ClusterConfig) -> ForecastScal
     """A fresh forecast planner for one run (it keeps state), or None without --scale-capacity."""
     if not getattr(args, "scale_capacity", None):
         return None
-    try:
-        prefill_rps, decode_rps = (float(x) for x in args.scale_capacity.split(","))
-    except ValueError:
-        raise ValueError("--scale-capacity takes PREFILL_RPS,DECODE_RPS") from None
     start = [config.prefill if config.mode != "colocated" else 1, config.decode]
-    return ForecastScaler(Capacity(prefill_rps, decode_rps), interval_s=args.scale_interval, startup_s=args.startup_s,
+    return ForecastScaler(Capacity.parse(args.scale_capacity), interval_s=args.scale_interval, startup_s=args.startup_s,
                           headroom=args.headroom, current=start, budget=args.max_workers,
                           max_workers=(args.max_workers, args.max_workers))
 

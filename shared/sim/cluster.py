@@ -411,7 +411,7 @@ class Cluster:
 
     def _scale(self, kind: str, target: int, t: float) -> bool:
         """Add or drain workers of `kind` towards `target`; whether anything changed."""
-        pool = self.prefill_pool if kind == "prefill" else self.decode_pool
+        pool = self._pool(kind)
         starting = self.starting[kind]
         serving = [w for w in pool if not w.draining]
         have = len(serving) + len(starting)
@@ -435,15 +435,18 @@ class Cluster:
                 self._retire_if_done(w, t)
         return True
 
+    def _pool(self, kind: str) -> list[SimEngine]:
+        """The serving workers of `kind` ("prefill" | "decode": colocated engine workers are decode)."""
+        return self.prefill_pool if kind == "prefill" else self.decode_pool
+
     def _count(self, kind: str) -> int:
-        pool = self.prefill_pool if kind == "prefill" else self.decode_pool
-        return sum(not w.draining for w in pool) + len(self.starting[kind])
+        return sum(not w.draining for w in self._pool(kind)) + len(self.starting[kind])
 
     def _ready(self, w: SimEngine, kind: str, t: float) -> None:
         if w.draining:  # removed while it was still loading
             return
         self.starting[kind].remove(w)
-        (self.prefill_pool if kind == "prefill" else self.decode_pool).append(w)
+        self._pool(kind).append(w)
         if self.cache is not None:
             self.cache.resize(self._cache_capacity())
         self._pull(w, t)
@@ -451,7 +454,7 @@ class Cluster:
     def _retire_if_done(self, w: SimEngine, t: float) -> None:
         if w.draining and not w.busy and not w.num_requests and not w.held and w.retired_s is None:
             w.retired_s = t
-            (self.prefill_pool if w in self.prefill_pool else self.decode_pool).remove(w)
+            self._pool("prefill" if w.role == "prefill" else "decode").remove(w)
             self.retired.append(w)
             if self.cache is not None:
                 self.cache.resize(self._cache_capacity())

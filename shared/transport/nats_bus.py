@@ -24,6 +24,9 @@ from shared.protocol import subjects
 log = logging.getLogger(__name__)
 
 
+# after a reconnect, a worker sends its recent token events again, and a gateway asks all workers to,
+# at these delays: once interest has spread through the cluster, and once more
+REPLAY_DELAYS_S = (1.0, 2.0)
 PING_INTERVAL_S = 2.0  # (nats-py's default, 2 minutes, would hold a partitioned connection that long)
 
 

@@ -26,7 +26,6 @@ from shared.transport.kv_client import KVStoreClient, KVStoreError
 log = logging.getLogger(__name__)
 REPLAY_WINDOW_S = 10.0  # token events kept to send again after an outage
 REPLAY_MARGIN_S = 2.0  # before a disconnect: what may have been in flight on the dying connection
-REPLAY_DELAYS_S = (1.0, 2.0)  # after a reconnect: once interest has spread through the cluster, and again
 
 
 class CancelledSet:
@@ -128,7 +127,7 @@ class WorkerRuntime:
         since = (self._disconnected_at or time.monotonic()) - REPLAY_MARGIN_S
         self._disconnected_at = None
         self._tasks = [t for t in self._tasks if not t.done()]
-        self._tasks.append(asyncio.create_task(self.replay_recent(since, delays=REPLAY_DELAYS_S), name="replay"))
+        self._tasks.append(asyncio.create_task(self.replay_recent(since, delays=nats_bus.REPLAY_DELAYS_S), name="replay"))
 
     async def _on_replay_request(self, msg) -> None:
         await self.replay_recent(time.monotonic() - REPLAY_WINDOW_S)

@@ -17,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from services.planner.autoscale import AutoscaleConfig, MetricsWatcher
+from services.planner.forecast import Capacity, ForecastScaler
 from services.planner.kube import KubeActuator, KubeClient, KubePlanner
 from shared.transport.servers import free_port
 
@@ -256,14 +257,14 @@ def test_calls_carry_the_token_and_a_bad_one_is_an_error(system, tmp_path):
         KubeClient(kube.url, NS, token_file=bad).replicas("decode")
 
 
-def test_forecast_policy_sizes_both_pools_at_once_from_the_arrivals(system):
-    from services.planner.forecast import Capacity, ForecastScaler
+def _forecast_planner(system, **scaler_args):
+    """`pdserve planner --policy forecast` on the stand-in (2 req/s a prefill pod, 5 a decode pod),
+    and a function that runs one interval in which each gateway got `per_gateway` requests."""
     from services.planner.kube import ForecastKubePlanner
 
-    kube, gateways, client, port = system
+    _, gateways, client, port = system
     clock = [0.0]
-    scaler = ForecastScaler(Capacity(2.0, 5.0), interval_s=10.0, startup_s=10.0, headroom=0.0, history=3,
-                            down_after=2, max_workers=(20, 20), budget=30)
+    scaler = ForecastScaler(Capacity(2.0, 5.0), interval_s=10.0, headroom=0.0, max_workers=(20, 20), **scaler_args)
     planner = ForecastKubePlanner(scaler, KubeActuator(client, {"prefill": "prefill", "decode": "decode"}),
                                   "gateway", port, clock=lambda: clock[0])
 
@@ -274,6 +275,12 @@ def test_forecast_policy_sizes_both_pools_at_once_from_the_arrivals(system):
         clock[0] += scaler.interval_s
         return out
 
+    return interval
+
+
+def test_forecast_policy_sizes_both_pools_at_once_from_the_arrivals(system):
+    kube = system[0]
+    interval = _forecast_planner(system, startup_s=10.0, history=3, down_after=2, budget=30)
     interval()  # the baseline: the fleet as it is
     for _ in range(3):  # 2 gateways × 100 requests per 10 s: 20 req/s → 10 prefill, 4 decode
         interval(100)
@@ -301,22 +308,8 @@ def test_forecast_policy_bad_flags_are_a_clear_error(flags, says):
 
 
 def test_forecast_policy_counts_terminating_pods_against_the_budget(system):
-    from services.planner.forecast import Capacity, ForecastScaler
-    from services.planner.kube import ForecastKubePlanner
-
-    kube, gateways, client, port = system
-    clock = [0.0]
-    scaler = ForecastScaler(Capacity(2.0, 5.0), interval_s=10.0, startup_s=0.0, headroom=0.0, history=2,
-                            down_after=1, max_workers=(20, 20), budget=16)
-    planner = ForecastKubePlanner(scaler, KubeActuator(client, {"prefill": "prefill", "decode": "decode"}),
-                                  "gateway", port, clock=lambda: clock[0])
-
-    def interval(per_gateway=0):
-        for g in gateways:
-            g.serve(per_gateway, 0.01)
-        planner.tick()
-        clock[0] += scaler.interval_s
-
+    kube = system[0]
+    interval = _forecast_planner(system, startup_s=0.0, history=2, down_after=1, budget=16)
     interval()
     interval(100)  # 20 req/s: 10 prefill + 4 decode
     assert (kube.replicas["prefill"], kube.replicas["decode"]) == (10, 4)
