@@ -102,6 +102,8 @@ class Generation:
         return taken
 
     def _final_step(self, event: TokenEvent) -> Step:
+        if self._trace is not None:
+            self._trace.final_event()
         text = self._add(event)
         text += self.output.finish(event.stop_reason)
         if self.output.stop_string is not None:

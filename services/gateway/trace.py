@@ -30,6 +30,7 @@ class RequestTrace:
                         "gen_ai.provider.name": "pdserve", "http.request.method": method, "url.path": path})
         self._first_token = False
         self._ended = False
+        self._final_event_at: float | None = None
 
     @property
     def recording(self) -> bool:
@@ -54,6 +55,11 @@ class RequestTrace:
             self._first_token = True
             self.span.add_event("gen_ai.first_token")
 
+    def final_event(self) -> None:
+        """A choice's last event arrived: what follows until the response ends is `gateway.respond`
+        (the last choice's arrival counts)."""
+        self._final_event_at = time.time()
+
     def finish(self, usage: Usage | None = None, finish_reasons: list[str] | None = None,
                timings: list[Timing] | None = None, error: str | None = None, attempts: int = 0) -> None:
         if self._ended:
@@ -71,6 +77,8 @@ class RequestTrace:
                 attrs |= {"pdserve.prefill_seconds": cost.prefill_s, "pdserve.decode_seconds": cost.decode_s,
                           "pdserve.kv_bytes": cost.kv_bytes, "pdserve.kv_transfer_seconds": cost.kv_transfer_s}
             self.span.set_attributes(attrs)
+            if self._final_event_at is not None:
+                tracing.span_at("gateway.respond", self.span, self._final_event_at, time.time())
         if error is not None:
             tracing.end_error(self.span, error)
         else:

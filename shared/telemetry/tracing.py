@@ -4,7 +4,8 @@ The gateway continues the client's W3C `traceparent` (or starts a trace), and ev
 publishes carries the context in its NATS headers (`traceparent`, lowercase); the prefill worker
 continues it and hands it on with the DecodeJob, the decode worker continues that. Phases are spans
 on one timeline: gateway prepare → prefill queue → prefix lookup → prefill compute → KV write →
-decode queue → KV read → decode; the first token is an event; a migrated request's new attempt is
+decode queue → KV read → decode → gateway respond (the last event's arrival to the response's end);
+the first token is an event; a migrated request's new attempt is
 more spans in the same trace, with `pdserve.attempt`.
 
 Off by default. `setup()` with no endpoint installs nothing: the API's tracer is then a no-op, no

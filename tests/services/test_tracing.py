@@ -13,6 +13,9 @@ from shared.telemetry import tracing
 from shared.telemetry.otlp_receiver import OTLPReceiver
 
 MODEL = "SmolLM2-135M-Instruct"
+# one request's phases, end to end: together they must account for the request's time
+PHASES = ("gateway.prepare", "prefill.queue", "kv.lookup", "prefill.compute", "kv.write", "decode.queue", "kv.read",
+          "decode.compute", "gateway.respond")
 
 
 def test_tracing_off_injects_nothing():
@@ -62,8 +65,7 @@ def test_one_trace_across_every_service_over_otlp(tmp_path_factory):
         assert not orphans, (orphans, [(s["name"], s["span_id"], s["parent"]) for s in spans])
         assert by_name["prefill"]["parent"] == request["span_id"]
         assert by_name["decode"]["parent"] == by_name["prefill"]["span_id"]  # the DecodeJob carried it
-        for name in ("gateway.prepare", "prefill.queue", "kv.lookup", "prefill.compute", "kv.write", "decode.queue",
-                     "kv.read", "decode.compute"):
+        for name in PHASES:
             assert name in by_name, name
         attrs = request["attrs"]
         assert attrs["gen_ai.request.model"] == MODEL and attrs["gen_ai.operation.name"] == "chat"
@@ -72,9 +74,8 @@ def test_one_trace_across_every_service_over_otlp(tmp_path_factory):
         assert attrs["pdserve.prefill_seconds"] > 0 and attrs["pdserve.decode_seconds"] > 0
         assert "gen_ai.first_token" in request["events"]
         assert by_name["decode"]["attrs"]["pdserve.worker"] == "decode-0"
-        phases = sum(by_name[n]["end"] - by_name[n]["start"] for n in (
-            "gateway.prepare", "prefill.queue", "kv.lookup", "prefill.compute", "kv.write", "decode.queue",
-            "kv.read", "decode.compute"))
+        assert by_name["gateway.respond"]["parent"] == request["span_id"]
+        phases = sum(by_name[n]["end"] - by_name[n]["start"] for n in PHASES)
         total = request["end"] - request["start"]
         print(f"request {total * 1e3:.1f} ms, phases add up to {phases * 1e3:.1f} ms: "
               + ", ".join(f"{s['name']} {1e3 * (s['end'] - s['start']):.1f}" for s in sorted(spans, key=lambda s: s['start'])))
