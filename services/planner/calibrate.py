@@ -3,8 +3,8 @@
 The engine fits (profile.py) time forward passes alone, in one busy process. Served, a step also
 hands off between the event loop and the step thread, tokens cross NATS, the gateway and SSE, and
 the worker processes share the cores with those (and with whatever else runs on the machine; the
-prefill worker runs at nice 10, so it yields first). Three short runs against a real stack measure
-it, each pool on its own:
+prefill worker runs at nice 10, so it yields first). Four short runs against a real stack measure
+it:
 
     prefill   batch-1 TTFT at two prompt lengths:  TTFT = s_p · prefill step + request overhead
     decode    the event gap (one step), in two parts: per request of the batch-1 run, (tokens per
@@ -20,6 +20,11 @@ it, each pool on its own:
               one event gap. τ is the workload's, not the machine's: the same requests got 1.8 and
               2.9 tokens an event in two runs, the second time the suffix proposer had seen their
               answers. `Profile.with_tokens_per_event` moves a profile to another workload's τ.
+    lending   engines on one host lend each other their cores while idle, and the runs above see the
+              lent case: a batch-1 run prefills with the decode worker idle. A fourth run, 2 chat
+              streams beside long prompts, measures both pools busy at once: the long prompts' TTFT
+              against the lent prefill's, and the streams' event gap while one prefills against
+              while none does (`Profile.unlent`; the simulator slows a step that cannot borrow)
     spread    the event gaps' quantiles ÷ their mean (each request's first gap left out: the
               simulator models the KV move in it): how far one step's gap strays from the mean
               when draft lengths vary and threads are descheduled; the simulator spreads its gaps so
@@ -54,6 +59,7 @@ class CalibrationRun:
     gap_quantiles: tuple[float, ...] = ()  # event gap ÷ the run's mean gap at SHAPE_POINTS (first gaps left out)
     # per request: (tokens per event, mean event gap in s), each after its first event, first gap left out
     per_request: tuple[tuple[float, float], ...] = ()
+    first_gap_s: float = 0.0  # the mean gap from the first token to the next event (the KV handoff in it)
 
     @property
     def tokens_per_event(self) -> float:
@@ -64,9 +70,24 @@ class CalibrationRun:
         return sum(g for _, g in self.per_request) / len(self.per_request) if self.per_request else self.itl_mean_s
 
 
+@dataclass(frozen=True)
+class LendingRun:
+    """Two chat streams decoding while long prompts arrive: both pools busy at once, so neither
+    borrows the other's cores (shared/engine/cores.py), as they do in the closed-loop runs."""
+    prefills: tuple[tuple[int, float], ...]  # the long prompts': (prompt tokens, TTFT s)
+    gap_prefilling_s: float  # the streams' mean event gap while a long prompt was prefilled
+    gap_alone_s: float  # … and while none was
+
+
 # (concurrency, prompt tokens, output tokens): answers as long as the cases' (24-48 tokens)
 RUNS = ((1, 128, 40), (1, 768, 12), (4, 128, 40))
+LEND_STREAMS, LEND_PROMPT, LEND_INTERVAL_S, LEND_DURATION_S = 2, 768, 3.0, 12.0
 SHAPE_POINTS = tuple((i + 0.5) / 20 for i in range(20))
+
+
+def first_gap(records) -> float:
+    gaps = [r.token_times_s[1] - r.token_times_s[0] for r in records if r.ok and len(r.token_times_s) > 2]
+    return sum(gaps) / len(gaps) if gaps else 0.0
 
 
 def later_gaps(record) -> list[float]:
@@ -122,11 +143,47 @@ def measure_stack(base_url: str, gguf: str | None, high_batch: int = 4, seed: in
         if s["failed"]:
             raise RuntimeError(f"calibration run at batch {batch}: {s['failed']} requests failed")
         runs.append(CalibrationRun(batch, prompt, out, s["itl_ms"]["mean"] / 1e3, s["ttft_ms"]["p50"] / 1e3,
-                                   s["tpot_ms"]["mean"] / 1e3, gap_quantiles(run.records), per_request(run.records)))
+                                   s["tpot_ms"]["mean"] / 1e3, gap_quantiles(run.records), per_request(run.records),
+                                   first_gap(run.records)))
         log.info("calibration batch %d, %d-token prompts: ITL mean %.1f ms, TPOT mean %.1f ms, TTFT p50 %.1f ms, "
                  "%.2f tokens per event", batch, prompt, s["itl_ms"]["mean"], s["tpot_ms"]["mean"], s["ttft_ms"]["p50"],
                  runs[-1].tokens_per_event)
+    runs.append(measure_lending(base_url, gguf, seed + len(RUNS)))
     return runs
+
+
+def measure_lending(base_url: str, gguf: str | None, seed: int) -> LendingRun:
+    """Long prompts every few seconds beside 2 chat streams: their TTFTs, and the streams' event
+    gaps while a long prompt was prefilled vs while none was."""
+    from services.bench.runner import BenchConfig, run_benchmark
+
+    cfg = BenchConfig(base_url, workload="interference", max_concurrency=LEND_STREAMS, duration_s=LEND_DURATION_S,
+                      warmup_s=1.0, long_interval_s=LEND_INTERVAL_S, long_prompt_tokens=(LEND_PROMPT, LEND_PROMPT),
+                      long_output_tokens=(2, 2), interference_phases=("long",), output_tokens=(40, 40),
+                      tokenizer=gguf, progress=False, seed=seed)
+    records = run_benchmark(cfg).runs[0].records
+    longs = [r for r in records if r.kind == "long" and r.ok and r.token_times_s]
+    if not longs:
+        raise RuntimeError("calibration: no long prompt of the lending run was answered")
+    windows = [(r.sent_s, r.token_times_s[0]) for r in longs]
+    during, alone = [], []
+    for r in records:
+        if r.kind != "chat" or not r.ok:
+            continue
+        t = r.token_times_s
+        for a, b in zip(t[1:], t[2:]):
+            if any(w0 <= a and b <= w1 for w0, w1 in windows):
+                during.append(b - a)
+            elif not any(a < w1 and b > w0 for w0, w1 in windows):
+                alone.append(b - a)
+    if len(during) < 10 or len(alone) < 10:
+        raise RuntimeError(f"calibration: too few event gaps in the lending run ({len(during)} during a long "
+                           f"prefill, {len(alone)} without)")
+    run = LendingRun(tuple((LEND_PROMPT, r.ttft_s) for r in longs), sum(during) / len(during), sum(alone) / len(alone))
+    log.info("calibration, %d chat streams beside %d-token prompts: TTFT %s ms; event gap %.1f ms while one "
+             "prefilled, %.1f ms otherwise", LEND_STREAMS, LEND_PROMPT, [round(1e3 * x) for _, x in run.prefills],
+             1e3 * run.gap_prefilling_s, 1e3 * run.gap_alone_s)
+    return run
 
 
 def spec_token_cost(points: tuple[tuple[float, float], ...]) -> tuple[float, float]:
@@ -147,9 +204,10 @@ def spec_token_cost(points: tuple[tuple[float, float], ...]) -> tuple[float, flo
     return intercept, slope
 
 
-def calibrate(profile: Profile, runs: list[CalibrationRun]) -> Profile:
-    """The profile with its fits scaled to what the served runs showed."""
-    short, long, wide = runs
+def calibrate(profile: Profile, runs: list) -> Profile:
+    """The profile with its fits scaled to what the served runs showed (`measure_stack`'s runs:
+    three CalibrationRuns, then a LendingRun)."""
+    short, long, wide, lending = runs
 
     def prefill(r: CalibrationRun) -> float:
         return profile.prefill_time(r.prompt_tokens, r.prompt_tokens ** 2 / 2, 1)
@@ -158,6 +216,16 @@ def calibrate(profile: Profile, runs: list[CalibrationRun]) -> Profile:
     if not 0.5 <= s_p <= 50:  # the difference drowned in noise: the long prompt alone
         s_p = long.ttft_p50_s / prefill(long)
     request_overhead = max(0.0, short.ttft_p50_s - s_p * prefill(short))
+    # the first decode gap is a step, the KV move and the decode job's hops: the simulator has the
+    # first two (the profile's transfer fits), the rest is a fixed handoff
+    kv = profile.transfer_time("shm", -(-short.prompt_tokens // profile.limits.block_size)
+                               * profile.limits.kv_bytes_per_block)
+    handoff = max(0.0, short.first_gap_s - short.event_gap_s - sum(kv))
+    # the closed-loop runs prefill with the decode worker idle, on its cores too; beside streams
+    # that decode, a prefill step keeps to its own, and a decode step of 2 sequences to its own
+    alone = [s_p * profile.prefill_time(n, n * n / 2, 1) for n, _ in lending.prefills]
+    unlent = (max(1.0, sum(ttft - request_overhead for _, ttft in lending.prefills) / sum(alone)),
+              max(1.0, lending.gap_prefilling_s / lending.gap_alone_s))
 
     # decode, in events: a served step at one token an event (plain decoding) at batch 1 at short
     # and long context and at the wide batch, and what each further token an event adds to a step
@@ -187,14 +255,14 @@ def calibrate(profile: Profile, runs: list[CalibrationRun]) -> Profile:
     meta = dict(profile.meta) | {"calibration": {
         "prefill_slowdown": s_p, "decode_slowdown": {"base": s_base, "per_seq": s_seq, "per_ctx_token": s_ctx},
         "spec_token_s": spec, "request_overhead_s": request_overhead, "tokens_per_event": tau, "itl_shape": shape,
-        "runs": [r.__dict__ for r in runs]}}
+        "unlent": unlent, "handoff_s": handoff, "runs": [r.__dict__ for r in runs]}}
     log.info("calibration: prefill ×%.2f, decode base ×%.2f, per sequence ×%.2f, per context token ×%.2f, "
-             "%.1f ms more a step per token an event, "
-             "request overhead %.1f ms, %.2f tokens per event, event gaps p10/p50/p90 at ×%.2f/%.2f/%.2f of the mean",
-             s_p, s_base, s_seq, s_ctx, 1e3 * spec, 1e3 * request_overhead, tau, shape[len(shape) // 10],
+             "×%.2f a prefill step and ×%.2f a decode step that cannot borrow, %.1f ms more a step per token an event, "
+             "request overhead %.1f ms, handoff %.1f ms, %.2f tokens per event, event gaps p10/p50/p90 at ×%.2f/%.2f/%.2f of the mean",
+             s_p, s_base, s_seq, s_ctx, *unlent, 1e3 * spec, 1e3 * request_overhead, 1e3 * handoff, tau, shape[len(shape) // 10],
              shape[len(shape) // 2], shape[len(shape) * 9 // 10])
-    plain = replace(profile, prefill=prefill_fit, decode=plain_fit, request_overhead_s=request_overhead,
-                    tokens_per_event=1.0, spec_token_s=spec, itl_shape=shape, meta=meta)
+    plain = replace(profile, prefill=prefill_fit, decode=plain_fit, request_overhead_s=request_overhead, handoff_s=handoff,
+                    tokens_per_event=1.0, spec_token_s=spec, itl_shape=shape, unlent=unlent, meta=meta)
     return plain.with_tokens_per_event(tau)
 
 

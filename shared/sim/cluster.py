@@ -151,6 +151,9 @@ class Cluster:
             self.prefill_pool = [self._new_worker("prefill", 0.0) for _ in range(config.prefill)]
             self.decode_pool = [self._new_worker("decode", 0.0) for _ in range(config.decode)]
         self.max_inflight = config.prefill_max_inflight or lim.prefill_max_inflight
+        # pools on one host's cores, lending them while idle (Profile.unlent); None: nothing shared
+        self.unlent = profile.unlent if config.mode != "colocated" and profile.unlent != (1.0, 1.0) else None
+        self.prefilling = False  # a prefill step in flight (decode cannot borrow its cores)
         self.cache = PrefixCache(self._cache_capacity()) if config.prefix_caching else None
         self.kind_names = list(kinds)
         self.kind_ids = {k: i for i, k in enumerate(self.kind_names)}
@@ -224,6 +227,8 @@ class Cluster:
                 self._tick(t)
             elif typ == READY:
                 self._ready(a, b, t)
+            if self.unlent is not None:
+                self._lend(t)
             if check_every and self.events % check_every == 0:
                 self.check_invariants()
             if self.events > self.max_events:
@@ -334,6 +339,7 @@ class Cluster:
             self._push(t + read, JOIN, w, seq)
         else:
             w.add(seq)
+            self._cut(w, t)
 
     def _kv_bytes(self, tokens: int) -> int:
         return -(-tokens // self.bs) * self.block_bytes
@@ -341,16 +347,38 @@ class Cluster:
     # --------------------------------------------------------------------------------- events
 
     def _plan(self, w: SimEngine, t: float) -> None:
-        end = w.plan(t)
+        unlent = 1.0
+        if self.unlent is not None:  # can it borrow the other pool's cores for this step?
+            if w.role == "prefill":
+                unlent = self.unlent[0] if any(d.busy or d.num_requests for d in self.decode_pool) else 1.0
+            elif any(p.busy for p in self.prefill_pool):
+                unlent = self.unlent[1]
+        end = w.plan(t, unlent)
         if end is not None:
             self._push(end, STEP, w, w.version)
 
-    def _on_join(self, w: SimEngine, seq: SimSeq, t: float) -> None:
-        w.held -= 1
-        if w.busy:  # it joins at the next step boundary: end the span there (and take its blocks)
+    def _lend(self, t: float) -> None:
+        """A prefill step began with none in flight, or the last one ended: decode spans end at their
+        next step, and go on at the speed of their cores now."""
+        prefilling = any(p.busy for p in self.prefill_pool)
+        if prefilling == self.prefilling:
+            return
+        self.prefilling = prefilling
+        for d in self.decode_pool:
+            if d.span is not None and d.span.batch >= 2:
+                self._cut(d, t)
+
+    def _cut(self, w: SimEngine, t: float) -> None:
+        """Something changed for `w`'s span in flight (a sequence joins, its cores are lent or
+        taken back): end it at the next step boundary (taking its blocks), where it is planned anew."""
+        if w.busy:
             end = w.cut_span(t)
             if end is not None:
                 self._push(end, STEP, w, w.version)
+
+    def _on_join(self, w: SimEngine, seq: SimSeq, t: float) -> None:
+        w.held -= 1
+        self._cut(w, t)  # it joins at the next step boundary
         if seq.prefill_only or w.role == "colocated" or seq.computed == seq.cached and seq.cached:
             ok = w.import_seq(seq) if seq.computed else (w.add(seq) or True)
             if not ok:  # the cached prefix does not fit here now: compute the whole prompt
@@ -388,7 +416,7 @@ class Cluster:
         ks["transfers"] += 1
         ks["bytes"] += self._kv_bytes(req.prompt_tokens)
         ks["write_s"] += write
-        self._push(t + write, KV_STORED, w, seq.rid)
+        self._push(t + write + self.profile.handoff_s, KV_STORED, w, seq.rid)
 
     def _on_kv_stored(self, w: SimEngine, rid: int, t: float) -> None:
         w.held -= 1

@@ -89,6 +89,9 @@ class Profile:
     limits: EngineLimits = EngineLimits()
     # fixed per-request time outside the engine (gateway, queues, publish hops), split by phase
     request_overhead_s: float = 0.0
+    # fixed time from a prefill's first token to its decode job's KV read beginning, beyond the KV
+    # write: the job's hops and pickup (a calibration measures it in the first decode gap)
+    handoff_s: float = 0.0
     # tokens a stream receives per event (speculative decoding: a step verifies several and keeps
     # the accepted ones); the decode fit is then per token, and an event's gap spans this many
     tokens_per_event: float = 1.0
@@ -103,17 +106,25 @@ class Profile:
     # per sequence: measured on 2 shared cores it did not grow with the batch (from 2 sequences a
     # decode step borrows the idle prefill worker's core)
     spec_token_s: float = 0.0
+    # engines on one host lend each other their cores while idle (`pdserve up`: shared/engine/cores.py),
+    # and the fits above are of the lent case, as a calibration sees it: (prefill, decode) is what a
+    # step takes instead, ×, when it cannot borrow — a prefill step while a decode worker holds
+    # sequences, a decode step of ≥ 2 sequences (a batch of 1 never borrows) while a prefill step
+    # runs. (1, 1): pools that share nothing (a GPU each)
+    unlent: tuple[float, float] = (1.0, 1.0)
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.transfer:
             raise ValueError("profile: no KV transfer path")
-        if self.request_overhead_s < 0:
-            raise ValueError("profile: request_overhead_s must be >= 0")
+        if self.request_overhead_s < 0 or self.handoff_s < 0:
+            raise ValueError("profile: request_overhead_s and handoff_s must be >= 0")
         if not self.tokens_per_event >= 1:
             raise ValueError(f"profile: tokens_per_event must be >= 1, got {self.tokens_per_event}")
         if not self.itl_shape or min(self.itl_shape) <= 0:
             raise ValueError(f"profile: itl_shape must be positive factors, got {self.itl_shape}")
+        if len(self.unlent) != 2 or not min(self.unlent) >= 1:
+            raise ValueError(f"profile: unlent must be two factors >= 1, got {self.unlent}")
 
     def with_tokens_per_event(self, tau: float) -> Profile:
         """This profile for a workload whose streams get `tau` tokens an event (its drafts accepted
@@ -156,8 +167,9 @@ class Profile:
     def to_json(self) -> dict[str, Any]:
         """A new dict (copies: editing it leaves this profile as it was)."""
         return {"version": PROFILE_VERSION, "meta": dict(self.meta), "limits": asdict(self.limits),
-                "request_overhead_s": self.request_overhead_s, "tokens_per_event": self.tokens_per_event,
-                "itl_shape": list(self.itl_shape), "spec_token_s": self.spec_token_s,
+                "request_overhead_s": self.request_overhead_s, "handoff_s": self.handoff_s,
+                "tokens_per_event": self.tokens_per_event,
+                "itl_shape": list(self.itl_shape), "spec_token_s": self.spec_token_s, "unlent": list(self.unlent),
                 "prefill": {"fit": asdict(self.prefill)}, "decode": {"fit": asdict(self.decode)},
                 "kv_transfer": {path: {"write": asdict(t.write), "read": asdict(t.read)}
                                 for path, t in self.transfer.items()}}
@@ -172,9 +184,11 @@ class Profile:
             return cls(prefill=PrefillFit(**data["prefill"]["fit"]), decode=DecodeFit(**data["decode"]["fit"]),
                        transfer=transfer, limits=EngineLimits(**data.get("limits", {})),
                        request_overhead_s=float(data.get("request_overhead_s", 0.0)),
+                       handoff_s=float(data.get("handoff_s", 0.0)),
                        tokens_per_event=float(data.get("tokens_per_event", 1.0)),
                        itl_shape=tuple(float(q) for q in data.get("itl_shape", (1.0,))),
-                       spec_token_s=float(data.get("spec_token_s", 0.0)), meta=data.get("meta", {}))
+                       spec_token_s=float(data.get("spec_token_s", 0.0)),
+                       unlent=tuple(float(f) for f in data.get("unlent", (1.0, 1.0))), meta=data.get("meta", {}))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"profile: malformed ({exc})") from None
 

@@ -42,10 +42,11 @@ class SimSeq:
 class Span:
     """A decode span in flight: K steps of a fixed batch from `start`."""
 
-    __slots__ = ("start", "steps", "batch", "ctx0", "first_step_s")
+    __slots__ = ("start", "steps", "batch", "ctx0", "first_step_s", "slow")
 
-    def __init__(self, start: float, steps: int, batch: int, ctx0: int, first_step_s: float):
+    def __init__(self, start: float, steps: int, batch: int, ctx0: int, first_step_s: float, slow: float = 1.0):
         self.start, self.steps, self.batch, self.ctx0, self.first_step_s = start, steps, batch, ctx0, first_step_s
+        self.slow = slow  # every step × this (its cores not lent: Profile.unlent)
 
 
 class SimEngine:
@@ -125,13 +126,17 @@ class SimEngine:
 
     # -------------------------------------------------------------------------------- planning
 
-    def plan(self, now: float) -> float | None:
-        """Choose the next step (or span) starting at `now`; returns its end time, None when idle."""
+    def plan(self, now: float, unlent: float = 1.0) -> float | None:
+        """Choose the next step (or span) starting at `now`; returns its end time, None when idle.
+        `unlent`: the factor of a step that cannot borrow the other pool's cores now (a decode
+        step borrows only for 2 or more sequences)."""
         if not self.running and not self.waiting:
             return None
         self.step_start = now
         span = self._try_span(now) if self.spans else None
         if span is not None:
+            if self.role != "decode" or span.batch >= 2:
+                span.slow = unlent
             self.span, self.step_plan = span, []
             self.step_end = now + self._span_time(span, span.steps)
         else:
@@ -139,7 +144,8 @@ class SimEngine:
             self.step_plan = self._schedule()
             if not self.step_plan:
                 return None  # nothing fits (waiting on blocks that only a finish frees)
-            self.step_end = now + self._step_time(self.step_plan)
+            slow = unlent if self.role != "decode" or len(self.step_plan) >= 2 else 1.0
+            self.step_end = now + slow * self._step_time(self.step_plan)
         self.busy = True
         self.version += 1
         return self.step_end
@@ -198,19 +204,20 @@ class SimEngine:
 
     def _span_time(self, span: Span, k: int) -> float:
         c = self.profile.decode.per_ctx_token_s
-        return k * span.first_step_s + c * span.batch * k * (k - 1) / 2
+        return span.slow * (k * span.first_step_s + c * span.batch * k * (k - 1) / 2)
 
     def steps_done_by(self, now: float) -> int:
         """Whole steps of the span in flight finished by `now`."""
         span = self.span
         a, c = span.first_step_s, self.profile.decode.per_ctx_token_s * span.batch
         elapsed = now - span.start
+        e = elapsed / span.slow  # in unslowed step time
         if c <= 0:
-            return int(elapsed // a) if a > 0 else span.steps
-        # k·a + c·k(k−1)/2 ≤ elapsed  →  the positive root of c/2·k² + (a − c/2)·k − elapsed = 0
+            return int(e // a) if a > 0 else span.steps
+        # k·a + c·k(k−1)/2 ≤ e  →  the positive root of c/2·k² + (a − c/2)·k − e = 0
         half = c / 2
         b = a - half
-        k = int((-b + math.sqrt(b * b + 4 * half * elapsed)) / (2 * half))
+        k = int((-b + math.sqrt(b * b + 4 * half * e)) / (2 * half))
         while k > 0 and self._span_time(span, k) > elapsed:
             k -= 1
         while k < span.steps and self._span_time(span, k + 1) <= elapsed:

@@ -137,7 +137,7 @@ class Recorder:
         """A decode span of `span.steps` steps ended at `end`: every running sequence got one token a
         step. One pass over the batch (this is the simulator's inner loop): tokens, times, blocks;
         the gaps go to the histograms, step 0's per sequence only when it did not start with the span."""
-        k, start, first = span.steps, span.start, span.first_step_s
+        k, start, first = span.steps, span.start, span.first_step_s * span.slow
         first_end = start + first
         last_s, tokens, hists, bs, tau = self.last_s, self.tokens, self.hists, engine.bs, self.tau
         counting_first = first_end >= self.itl_from_s
@@ -171,7 +171,7 @@ class Recorder:
                 if n:
                     hists[kind].add(first * tau, n / tau)
         if k > 1:
-            c = engine.profile.decode.per_ctx_token_s * span.batch
+            c = engine.profile.decode.per_ctx_token_s * span.batch * span.slow
             points = range(1, k) if k - 1 <= ITL_SPAN_SAMPLES else \
                 [1 + round((k - 2) * j / (ITL_SPAN_SAMPLES - 1)) for j in range(ITL_SPAN_SAMPLES)]
             share = (k - 1) / len(points)

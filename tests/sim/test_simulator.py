@@ -57,11 +57,13 @@ def test_kv_blocks_never_exceed_the_budget_and_preemption_recovers():
     assert sum(cluster.rec.tokens) == sum(cluster.rec.output)
 
 
-def test_spans_match_step_by_step():
-    """Multi-step decode spans are exact: the same finish times as simulating every step."""
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated", "conditional"])
+def test_spans_match_step_by_step(mode):
+    """Multi-step decode spans are exact: the same finish times as simulating every step (a whole
+    request taken by a decode worker joins at the next step, as a decode job does)."""
     reqs = _requests(n=40, rate=3.0)
-    fast = _run(ClusterConfig(decode=2, num_kv_blocks=256), [replace(r) for r in reqs])  # with preemptions
-    slow = _run(ClusterConfig(decode=2, num_kv_blocks=256, decode_spans=False), [replace(r) for r in reqs])
+    fast = _run(ClusterConfig(mode=mode, decode=2, num_kv_blocks=256), [replace(r) for r in reqs])  # preempting
+    slow = _run(ClusterConfig(mode=mode, decode=2, num_kv_blocks=256, decode_spans=False), [replace(r) for r in reqs])
     assert sum(w.preemptions for w in fast.decode_pool) > 0
     assert fast.events < slow.events / 2
     for a, b in zip(fast.rec.finish_s, slow.rec.finish_s):
@@ -301,3 +303,52 @@ def test_simulate_cli_resizes_with_the_forecast_planner():
     assert s["scaling"]["changes"] >= 1 and "resized" in proc.stderr
     assert max(p + d for _, p, d in s["scaling"]["log"]) <= 6  # 2 req/s ÷ 0.5 wants 4 + 4: the budget binds
     assert s["cost"]["prefill"]["max_workers"] > 1 and 1 < s["per_gpu"]["workers"] <= 6
+
+
+def test_pools_on_one_hosts_cores_lend_them_while_idle():
+    """Profile.unlent: a prefill step while a decode worker holds sequences takes ×2 here, a decode
+    step of ≥ 2 sequences while a prefill step runs ×1.5; a lone decode stream never borrowed, and
+    colocated engines share nothing across pools. Spans stay exact with it."""
+    shared = replace(PROFILE, unlent=(2.0, 1.5))
+    decode_only = replace(PROFILE, unlent=(2.0, 1.0))
+    long_prompt = SimRequest(1.0, 200, 2)
+
+    def run(profile, reqs, **cfg):
+        cluster = Cluster(profile, ClusterConfig(**cfg))
+        cluster.run([replace(r) for r in reqs], check_every=1)
+        cluster.check_invariants(final=True)
+        return cluster.rec
+
+    def ttft(rec, i):
+        return rec.first_s[i] - rec.arrival[i]
+
+    alone = run(shared, [long_prompt])  # nothing decodes: the prefill borrows
+    assert ttft(alone, 0) == pytest.approx(ttft(run(PROFILE, [long_prompt]), 0))
+    one_stream = [SimRequest(0.0, 16, 400), long_prompt]
+    beside = run(shared, one_stream)
+    assert ttft(beside, 1) == pytest.approx(2 * ttft(alone, 0))
+    # a batch of one decodes at its own speed through the prefill
+    assert beside.finish_s[0] == pytest.approx(run(decode_only, one_stream).finish_s[0])
+    two_streams = [SimRequest(0.0, 16, 400), SimRequest(0.0, 16, 400), long_prompt]
+    slowed, unslowed = run(shared, two_streams), run(decode_only, two_streams)
+    step = PROFILE.decode_time(2, 2 * 200)
+    delay = slowed.finish_s[0] - unslowed.finish_s[0]  # the steps it lost while the prompt prefilled
+    lost = ttft(slowed, 2) * (1 - 1 / 1.5)
+    assert lost - 2 * step < delay < lost + 2 * step
+    reqs = _requests(n=40, rate=3.0)
+    for mode in ("disaggregated", "conditional"):  # spans cut where the cores change: exact
+        fast = run(shared, reqs, mode=mode, decode=2)
+        exact = run(shared, reqs, mode=mode, decode=2, decode_spans=False)
+        assert fast.finish_s == pytest.approx(exact.finish_s, rel=1e-9, abs=1e-9), mode
+        assert fast.finish_s != pytest.approx(run(PROFILE, reqs, mode=mode, decode=2).finish_s), mode
+    assert run(shared, reqs, mode="colocated").finish_s == run(PROFILE, reqs, mode="colocated").finish_s
+
+
+def test_the_kv_handoff_delays_the_first_decode_step():
+    req = [SimRequest(0.0, 100, 5)]
+    base = Cluster(PROFILE, ClusterConfig())
+    base.run(list(req))
+    later = Cluster(replace(PROFILE, handoff_s=0.05), ClusterConfig())
+    later.run(list(req))
+    assert later.rec.first_s == base.rec.first_s
+    assert later.rec.finish_s[0] == pytest.approx(base.rec.finish_s[0] + 0.05)
