@@ -19,6 +19,10 @@ takes jobs `startup_s` later (its model loading); a worker removed drains — it
 finishes what it holds, then leaves. Cost is GPU time over each worker's life, so a fleet that
 follows the load is charged for the workers it had, when it had them.
 
+Pools on one host's cores (a CPU profile, `Profile.unlent`) lend them while idle, as `pdserve up`'s
+engines do: a prefill step is slower while a decode worker holds sequences, a decode step of two or
+more while a prefill step runs; a decode span in flight is cut where the cores change hands.
+
 Events sit in one heap as (time, sequence number, type, payload); a worker's step carries the
 worker's version, and an event whose version is stale (its span was cut short) is dropped.
 """
