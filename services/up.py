@@ -31,7 +31,7 @@ from pathlib import Path
 from shared.cli_args import add_connection_args, add_engine_args, add_speculative_args, env, speculative_argv
 from services.gateway.config import MODES, ROUTERS
 from services.presets import PRESETS
-from services.planner.autoscale import add_autoscale_args, autoscale_config, start_autoscaler
+from services.planner.autoscale import add_autoscale_args, autoscale_config, forecast_scaler, start_autoscaler
 from services.supervisor import CrashLoop, RestartPolicy, Supervisor
 from shared.engine.cores import SLOTS as CORE_SLOTS
 from shared.transport.servers import (
@@ -506,10 +506,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(format_settings(args), flush=True)
     if args.autoscale:
         try:
-            print(autoscale_config(args).describe(), flush=True)
+            config = autoscale_config(args)
         except ValueError as exc:
             print(f"pdserve up: error: {exc}", file=sys.stderr, flush=True)
             return 2
+        print(config.describe(), flush=True)
+        if args.policy == "forecast":  # a bad flag is one line now, not after the stack has started
+            scaler = forecast_scaler(args, config, "pdserve up")
+            print(f"  policy: forecast, {scaler.capacity.prefill_rps:g} and {scaler.capacity.decode_rps:g} req/s a "
+                  f"prefill and a decode worker, {scaler.startup_s:g} s from adding one to serving", flush=True)
     if args.dry_run:
         print(format_plan(args), flush=True)
         return 0

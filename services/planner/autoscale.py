@@ -15,6 +15,10 @@ Policy (Autoscaler, pure: tests drive it with simulated observations):
   * never more processes than the budget — draining ones count until they have exited
   * removal drains: SIGTERM (the worker stops taking jobs, finishes what it holds, exits); the
     worker is out of the count of capacity at once and out of the budget when it has exited
+
+`--policy forecast` (ForecastAutoscaler) sizes each pool instead from the arrival rate forecast a
+startup ahead and what one worker carries (services/planner/forecast.py, as `pdserve planner` does
+on Kubernetes), with the same bounds, budget and draining.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from services.planner.forecast import Capacity, ForecastScaler
 from shared.telemetry.names import ITL, REQUESTS_TOTAL, REQUESTS_WAITING, TTFT
 
 log = logging.getLogger("pdserve.autoscale")
@@ -109,9 +114,12 @@ class Decision:
     reason: str
 
 
-class Autoscaler:
-    def __init__(self, config: AutoscaleConfig, actuator: Actuator, initial: dict[str, list[str]]):
-        self.config, self.actuator = config, actuator
+class Workers:
+    """The local pools' processes, as a policy changes them: the active ones per pool, the drained
+    ones until they have exited, and every add and drain made through the actuator."""
+
+    def __init__(self, actuator: Actuator, initial: dict[str, list[str]]):
+        self.actuator = actuator
         self.pools = {kind: PoolState(active=list(initial.get(kind, []))) for kind in KINDS}
         self.interval = 0
         self.decisions: list[Decision] = []
@@ -123,11 +131,41 @@ class Autoscaler:
     def processes(self) -> int:
         return sum(len(p.active) + len(p.draining) for p in self.pools.values())
 
-    def step(self, obs: Observation) -> list[Decision]:
+    def _next_interval(self) -> None:
         self.interval += 1
         for pool in self.pools.values():  # drained workers that have exited leave the budget
             pool.draining = [n for n in pool.draining if not self.actuator.exited(n)]
             pool.since_change += 1
+
+    def _add(self, kind: str, reason: str) -> Decision:
+        pool = self.pools[kind]
+        name = self.actuator.spawn(kind)
+        pool.active.append(name)
+        pool.hot = pool.cold = 0
+        pool.since_change = 0
+        log.info("autoscale: + %s %s (%s); now %d", kind, name, reason, len(pool.active))
+        return Decision(self.interval, kind, "add", name, reason)
+
+    def _drain(self, kind: str, reason: str) -> Decision:
+        pool = self.pools[kind]
+        name = pool.active.pop()  # the newest: the one most likely to be lightly loaded
+        self.actuator.drain(kind, name)
+        pool.draining.append(name)
+        pool.hot = pool.cold = 0
+        pool.since_change = 0
+        log.info("autoscale: - %s %s draining (%s); now %d", kind, name, reason, len(pool.active))
+        return Decision(self.interval, kind, "drain", name, reason)
+
+
+class Autoscaler(Workers):
+    """The reactive policy: one worker at a time, when a pool's SLO is missed or its queue grows."""
+
+    def __init__(self, config: AutoscaleConfig, actuator: Actuator, initial: dict[str, list[str]]):
+        super().__init__(actuator, initial)
+        self.config = config
+
+    def step(self, obs: Observation, now: float = 0.0) -> list[Decision]:
+        self._next_interval()
         cfg = self.config
         ttft = (obs.ttft_p90_s or 0.0) / cfg.slo_ttft_p90_s
         itl = (obs.itl_p90_s or 0.0) / cfg.slo_itl_p90_s
@@ -167,24 +205,36 @@ class Autoscaler:
         pool.cold = pool.cold + 1 if cold else 0
         return over + (waiting / n if queued else 0.0)
 
-    def _add(self, kind: str, reason: str) -> Decision:
-        pool = self.pools[kind]
-        name = self.actuator.spawn(kind)
-        pool.active.append(name)
-        pool.hot = pool.cold = 0
-        pool.since_change = 0
-        log.info("autoscale: + %s %s (%s); now %d", kind, name, reason, len(pool.active))
-        return Decision(self.interval, kind, "add", name, reason)
 
-    def _drain(self, kind: str, reason: str) -> Decision:
-        pool = self.pools[kind]
-        name = pool.active.pop()  # the newest: the one most likely to be lightly loaded
-        self.actuator.drain(kind, name)
-        pool.draining.append(name)
-        pool.hot = pool.cold = 0
-        pool.since_change = 0
-        log.info("autoscale: - %s %s draining (%s); now %d", kind, name, reason, len(pool.active))
-        return Decision(self.interval, kind, "drain", name, reason)
+class ForecastAutoscaler(Workers):
+    """The forecast policy (`--policy forecast`) on local workers: each interval the ForecastScaler
+    (services/planner/forecast.py, as `pdserve planner` uses on Kubernetes) names each pool's
+    count, and workers are drained down to it, newest first, or started up to it. Drained workers
+    count against the budget until they have exited, so a pool that grows while another drains
+    may get its workers an interval later."""
+
+    def __init__(self, scaler: ForecastScaler, actuator: Actuator, initial: dict[str, list[str]]):
+        super().__init__(actuator, initial)
+        self.scaler, self.budget = scaler, scaler.budget
+        self.arrived = 0  # requests seen by the gateway since the policy started
+
+    def step(self, obs: Observation, now: float) -> list[Decision]:
+        self._next_interval()
+        have = [self.count(k) for k in KINDS]
+        self.scaler.current = have
+        self.scaler.budget = max(sum(self.scaler.min_workers), self.budget - (self.processes - sum(have)))
+        self.arrived += obs.requests
+        targets = self.scaler.targets(now, self.arrived, (round(obs.prefill_waiting), round(obs.decode_waiting)))
+        reason = f"forecast {self.scaler.forecast():.3g} req/s"
+        made = []
+        for kind, n in zip(KINDS, targets):  # drains first: a pool that grows may need their budget
+            while self.count(kind) > n:
+                made.append(self._drain(kind, reason))
+        for kind, n in zip(KINDS, targets):
+            while self.count(kind) < n and self.processes < self.budget:
+                made.append(self._add(kind, reason))
+        self.decisions += made
+        return made
 
 
 # ------------------------------------------------------------------------------- live metrics
@@ -279,9 +329,10 @@ class LiveAutoscaler:
     restarts and retires children, so the two never race): every `interval_s`, observe, decide, act."""
 
     def __init__(self, config: AutoscaleConfig, base_url: str, actuator: Actuator, initial: dict[str, list[str]],
-                 watcher: MetricsWatcher | None = None, clock: Callable[[], float] = time.monotonic):
+                 watcher: MetricsWatcher | None = None, clock: Callable[[], float] = time.monotonic,
+                 policy: Autoscaler | ForecastAutoscaler | None = None):
         self.config, self.clock = config, clock
-        self.autoscaler = Autoscaler(config, actuator, initial)
+        self.autoscaler = policy or Autoscaler(config, actuator, initial)
         self.watcher = watcher or MetricsWatcher(base_url)
         self._next: float | None = None  # None: the baseline scrape is still to take
 
@@ -298,7 +349,7 @@ class LiveAutoscaler:
         except OSError as exc:  # the gateway restarting: skip this interval, decide nothing blind
             log.warning("autoscale: scrape failed (%s); skipping an interval", exc)
             return []
-        return [] if baseline else self.autoscaler.step(obs)
+        return [] if baseline else self.autoscaler.step(obs, now)
 
 
 # ------------------------------------------------------------------------------ `pdserve up` glue
@@ -313,6 +364,33 @@ def add_autoscale_args(p) -> None:
     g.add_argument("--autoscale", action="store_true",
                    help="add and remove local prefill / decode workers from the gateway's metrics")
     add_limit_args(g, max_per_pool=max(1, cores // 2), what="processes")
+    add_policy_args(g, what="worker", startup_s=10.0)
+
+
+def add_policy_args(g, what: str, startup_s: float) -> None:
+    """The policy: reactive (the default) or forecast, and the forecast's inputs."""
+    g.add_argument("--policy", choices=("reactive", "forecast"), default="reactive",
+                   help=f"reactive: one {what} at a time when an SLO is missed (a few {what}s); forecast: each pool "
+                        "sized for the forecast load (a fleet)")
+    g.add_argument("--capacity", default=None, metavar="PREFILL_RPS,DECODE_RPS",
+                   help=f"forecast: req/s one {what} of each pool carries within the SLOs (pdserve plan prints it)")
+    g.add_argument("--startup-s", type=float, default=startup_s,
+                   help=f"forecast: seconds from adding a {what} until it serves (how far ahead to forecast)")
+    g.add_argument("--headroom", type=float, default=0.1, help="forecast: capacity above the forecast")
+
+
+def forecast_scaler(args, config: AutoscaleConfig, command: str) -> ForecastScaler:
+    """The ForecastScaler of `--policy forecast` (a bad flag: one line naming it, no traceback)."""
+    if config.colocated:
+        raise SystemExit(f"{command}: --policy forecast sizes a prefill and a decode pool; colocated mode has one")
+    if not args.capacity:
+        raise SystemExit(f"{command}: --policy forecast needs --capacity PREFILL_RPS,DECODE_RPS (pdserve plan prints it)")
+    try:
+        return ForecastScaler(Capacity.parse(args.capacity), interval_s=config.interval_s, startup_s=args.startup_s,
+                              headroom=args.headroom, min_workers=(config.min_prefill, config.min_decode),
+                              max_workers=(config.max_prefill, config.max_decode), budget=config.budget)
+    except ValueError as exc:
+        raise SystemExit(f"{command}: {exc}") from None
 
 
 def add_limit_args(g, max_per_pool: int, what: str) -> None:
@@ -349,4 +427,8 @@ def autoscale_config(args) -> AutoscaleConfig:
 def start_autoscaler(args, url: str, actuator: Actuator, initial: dict[str, list[str]]) -> LiveAutoscaler:
     """What `pdserve up --autoscale` makes once the stack is healthy: `initial[kind]` names the
     workers already up; `tick()` it from the supervision loop."""
-    return LiveAutoscaler(autoscale_config(args), url, actuator, initial)
+    config = autoscale_config(args)
+    policy = None
+    if args.policy == "forecast":
+        policy = ForecastAutoscaler(forecast_scaler(args, config, "pdserve up"), actuator, initial)
+    return LiveAutoscaler(config, url, actuator, initial, policy=policy)

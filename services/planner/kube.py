@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from services.planner.autoscale import KINDS, AutoscaleConfig, LiveAutoscaler, MetricsWatcher, add_limit_args, \
-    limits_config
-from services.planner.forecast import Capacity, ForecastScaler
+    add_policy_args, forecast_scaler, limits_config
+from services.planner.forecast import ForecastScaler
 
 log = logging.getLogger("pdserve.planner")
 
@@ -234,31 +234,11 @@ def add_planner_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--prefill-deployment", default="prefill")
     k.add_argument("--decode-deployment", default="decode")
     add_limit_args(p.add_argument_group("pools, budget (pods) and SLOs"), max_per_pool=8, what="pods")
-    f = p.add_argument_group("policy")
-    f.add_argument("--policy", choices=("reactive", "forecast"), default="reactive",
-                   help="reactive: one pod at a time when an SLO is missed (a few pods); forecast: each pool "
-                        "sized for the forecast load (a fleet)")
-    f.add_argument("--capacity", default=None, metavar="PREFILL_RPS,DECODE_RPS",
-                   help="forecast: req/s one pod of each pool carries within the SLOs (pdserve plan prints it)")
-    f.add_argument("--startup-s", type=float, default=120.0,
-                   help="forecast: seconds from adding a pod until it serves (how far ahead to forecast)")
-    f.add_argument("--headroom", type=float, default=0.1, help="forecast: capacity above the forecast")
-
-
-def forecast_scaler(args, config: AutoscaleConfig) -> ForecastScaler:
-    if not args.capacity or args.capacity.count(",") != 1:
-        raise SystemExit("pdserve planner: --policy forecast needs --capacity PREFILL_RPS,DECODE_RPS "
-                         "(pdserve plan prints it)")
-    try:  # a bad capacity, a minimum of 0 pods, a negative headroom …: one line, no traceback
-        return ForecastScaler(Capacity.parse(args.capacity), interval_s=config.interval_s, startup_s=args.startup_s,
-                              headroom=args.headroom, min_workers=(config.min_prefill, config.min_decode),
-                              max_workers=(config.max_prefill, config.max_decode), budget=config.budget)
-    except ValueError as exc:
-        raise SystemExit(f"pdserve planner: {exc}") from None
+    add_policy_args(p.add_argument_group("policy"), what="pod", startup_s=120.0)
 
 
 def planner_from_args(args, config: AutoscaleConfig) -> KubePlanner | ForecastKubePlanner:
-    scaler = forecast_scaler(args, config) if args.policy == "forecast" else None
+    scaler = forecast_scaler(args, config, "pdserve planner") if args.policy == "forecast" else None
     if args.kube_api:
         client = KubeClient(args.kube_api, args.namespace or "default", args.kube_token_file, args.kube_ca_file)
     else:

@@ -219,3 +219,27 @@ def test_live_loop_takes_a_baseline_then_decides_once_per_interval_and_skips_fai
     watcher.fail, clock[0] = False, 15.0
     [decision] = live.tick()  # hot twice in a row: one prefill worker more
     assert (decision.kind, decision.action) == ("prefill", "add") and hands.spawned == ["prefill"]
+
+
+def test_forecast_policy_on_local_workers_follows_a_step_and_stops():
+    """`pdserve up --autoscale --policy forecast`: each pool started or drained to the forecast's
+    count (3 req/s: 4 prefill at 1 req/s each with 10% headroom, 3 decode at 1.5), steady under the
+    constant load, down to the minimum when traffic stops, draining ones within the budget."""
+    from services.planner.autoscale import ForecastAutoscaler
+    from services.planner.forecast import Capacity, ForecastScaler
+
+    cluster = FakeCluster(5.0)
+    scaler = ForecastScaler(Capacity(PREFILL_RATE, DECODE_RATE), interval_s=5.0, startup_s=5.0, headroom=0.1,
+                            max_workers=(6, 4), budget=8)
+    policy = ForecastAutoscaler(scaler, cluster, {"prefill": ["prefill-0"], "decode": ["decode-0"]})
+    history = []
+    for t, rate in enumerate([0.5] * 10 + [3.0] * 40 + [0.0] * 30):
+        policy.step(cluster.interval(rate), now=5.0 * t)
+        history.append((policy.count("prefill"), policy.count("decode")))
+        assert policy.processes == len(cluster.alive) <= 8  # draining workers included
+    assert history[10] != (4, 3) and history[11] == (4, 3)  # the interval after the step (backlog, then rate)
+    assert not [d for d in policy.decisions if 13 < d.interval <= 51]  # steady under the constant load
+    assert history[-1] == (1, 1) and policy.processes == 2
+    for kind in ("prefill", "decode"):  # no flip: per pool, every add before every drain
+        actions = [d.action for d in policy.decisions if d.kind == kind]
+        assert actions == sorted(actions, key=lambda a: a == "drain"), actions

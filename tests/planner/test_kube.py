@@ -296,7 +296,7 @@ def test_forecast_policy_sizes_both_pools_at_once_from_the_arrivals(system):
 
 
 @pytest.mark.parametrize("flags, says", [(["--capacity", "0,5"], "must be positive"),
-                                         (["--capacity", "2"], "needs --capacity"),
+                                         (["--capacity", "2"], "PREFILL_RPS,DECODE_RPS"), ([], "needs --capacity"),
                                          (["--capacity", "2,5", "--min-prefill", "0"], "1 <= min")])
 def test_forecast_policy_bad_flags_are_a_clear_error(flags, says):
     import subprocess

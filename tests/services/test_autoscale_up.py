@@ -64,3 +64,33 @@ def test_under_load_a_decode_worker_is_added_then_drained_when_traffic_stops(tmp
         assert "draining" in (tmp_path / "decode-1.log").read_text()
         # still serving with the minimum
         assert ask(up.url, "What is the capital of France?")["choices"][0]["message"]["content"]
+
+
+def test_the_forecast_policy_sizes_the_decode_pool_from_the_arrivals(tmp_path):
+    # 0.2 req/s a decode worker: three users asking back to back want two; none want one
+    with serving(tmp_path, 2, "--autoscale", "--policy", "forecast", "--capacity", "100,0.2", "--startup-s", "0",
+                 "--headroom", "0", "--max-decode", "2", "--max-prefill", "1", "--autoscale-interval", "2",
+                 "--speculative", "off") as up:
+        stop, answers, errors = threading.Event(), [], []
+
+        def user(u: int) -> None:
+            while not stop.is_set():
+                try:
+                    answers.append(ask(up.url, f"User {u} asks: tell me about the number {len(answers)}.", 12))
+                except Exception as exc:  # noqa: BLE001 — reported below
+                    errors.append(repr(exc))
+
+        users = [threading.Thread(target=user, args=(u,)) for u in range(3)]
+        for t in users:
+            t.start()
+        try:
+            wait_for(lambda: "decode-1" in workers(up.url), "the added decode worker to be heard", 120)
+        finally:
+            stop.set()
+            for t in users:
+                t.join(60)
+        assert not errors, errors[:3]
+        wait_for(lambda: "decode-1 retired" in up.log(), "decode-1 to be drained and retired", 90)
+        decisions = re.findall(r"autoscale: ([+-]) (\w+) (\S+) \S* ?\(forecast", up.log())
+        assert decisions == [("+", "decode", "decode-1"), ("-", "decode", "decode-1")], decisions
+        assert ask(up.url, "What is the capital of France?")["choices"][0]["message"]["content"]
