@@ -526,7 +526,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         wait_healthy(stack, url)
         print(f"pdserve is up ({args.mode}): {url}   logs: {stack.workdir}", flush=True)
         print(f"""try:  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
-        -d '{{"model": "SmolLM2-135M-Instruct", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "stream": true}}'""",
+        -d '{{"model": "SmolLM2-135M-Instruct", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "temperature": 0, "stream": true}}'""",
               flush=True)
         orderly = True
         workers = StackWorkers(stack)
