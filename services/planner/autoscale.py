@@ -221,10 +221,9 @@ class ForecastAutoscaler(Workers):
     def step(self, obs: Observation, now: float) -> list[Decision]:
         self._next_interval()
         have = [self.count(k) for k in KINDS]
-        self.scaler.current = have
-        self.scaler.budget = max(sum(self.scaler.min_workers), self.budget - (self.processes - sum(have)))
         self.arrived += obs.requests
-        targets = self.scaler.targets(now, self.arrived, (round(obs.prefill_waiting), round(obs.decode_waiting)))
+        targets = self.scaler.targets_for(now, self.arrived, (round(obs.prefill_waiting), round(obs.decode_waiting)),
+                                          have, self.processes - sum(have), self.budget)
         reason = f"forecast {self.scaler.forecast():.3g} req/s"
         made = []
         for kind, n in zip(KINDS, targets):  # drains first: a pool that grows may need their budget

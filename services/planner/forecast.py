@@ -108,6 +108,14 @@ class ForecastScaler:
         ahead = (self.startup_s + self.interval_s) / self.interval_s  # intervals past the last observed one
         return max(0.0, my + slope * (n - 1 - mx + (ahead if slope > 0 else 1.0)))
 
+    def targets_for(self, now: float, arrived: int, waiting: tuple[int, int], have: list[int], leaving: int,
+                    budget: int) -> tuple[int, int]:
+        """`targets` for a fleet that stands at `have` workers per pool (changed outside or not),
+        with `leaving` more still draining: they hold part of `budget` until they are gone."""
+        self.current = list(have)
+        self.budget = max(sum(self.min_workers), budget - leaving)
+        return self.targets(now, arrived, waiting)
+
     def targets(self, now: float, arrived: int, waiting: tuple[int, int] = (0, 0)) -> tuple[int, int]:
         """Workers wanted per pool, from the arrivals so far and the jobs waiting for each pool now."""
         if self._last is not None and now > self._last[0]:

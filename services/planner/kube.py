@@ -210,11 +210,10 @@ class ForecastKubePlanner:
         have = [counts[k] for k in KINDS]
         if self.scaler.current is not None and have != self.scaler.current:
             log.warning("planner: replicas are %s, the planner set %s: adopting them", have, self.scaler.current)
-        self.scaler.current = have
-        self.scaler.budget = max(sum(self.scaler.min_workers), self.budget - self.actuator.terminating())
         self.arrived += obs.requests
-        targets = dict(zip(KINDS, self.scaler.targets(now, self.arrived, (round(obs.prefill_waiting),
-                                                                           round(obs.decode_waiting)))))
+        targets = dict(zip(KINDS, self.scaler.targets_for(now, self.arrived, (round(obs.prefill_waiting),
+                                                                             round(obs.decode_waiting)),
+                                                          have, self.actuator.terminating(), self.budget)))
         for kind, n in targets.items():
             if n != counts[kind]:
                 log.info("planner: %s %d -> %d (forecast %.3g req/s)", kind, counts[kind], n, self.scaler.forecast())

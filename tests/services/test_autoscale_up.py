@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import threading
-import time
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -29,30 +29,37 @@ def busy_s(url: str, instance: str) -> float:
     return float(m[1]) if m else 0.0
 
 
+@contextmanager
+def asking(url: str, users: int = 3, max_tokens: int = 24):
+    """`users` clients asking back to back until the block ends: yields (answers, errors so far)."""
+    stop, answers, errors = threading.Event(), [], []
+
+    def user(u: int) -> None:
+        while not stop.is_set():
+            try:
+                answers.append(ask(url, f"User {u} asks: tell me about the number {len(answers)}.", max_tokens))
+            except Exception as exc:  # noqa: BLE001 — reported by the caller
+                errors.append(repr(exc))
+
+    threads = [threading.Thread(target=user, args=(u,)) for u in range(users)]
+    for t in threads:
+        t.start()
+    try:
+        yield answers, errors
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+
+
 def test_under_load_a_decode_worker_is_added_then_drained_when_traffic_stops(tmp_path):
     # an ITL SLO of 1 ms: any decoding is over it (hot); no traffic at all is cold
     with serving(tmp_path, 2, "--autoscale", "--max-decode", "2", "--max-prefill", "1", "--autoscale-interval", "1",
                  "--slo-itl-p90-ms", "1", "--speculative", "off") as up:
         assert workers(up.url) == {"prefill-0", "decode-0"}
-        stop, answers, errors = threading.Event(), [], []
-
-        def user(u: int) -> None:
-            while not stop.is_set():
-                try:
-                    answers.append(ask(up.url, f"User {u} asks: tell me about the number {len(answers)}.", 24))
-                except Exception as exc:  # noqa: BLE001 — reported below
-                    errors.append(repr(exc))
-
-        users = [threading.Thread(target=user, args=(u,)) for u in range(3)]
-        for t in users:
-            t.start()
-        try:
+        with asking(up.url, max_tokens=24) as (answers, errors):
             wait_for(lambda: "decode-1" in workers(up.url), "the added decode worker to be heard", 120)
             wait_for(lambda: busy_s(up.url, "decode-1") > 0, "the added decode worker to serve", 60)
-        finally:
-            stop.set()
-            for t in users:
-                t.join(60)
         assert not errors, errors[:3]
         assert answers and all(a["choices"][0]["message"]["content"] for a in answers)
         # traffic stopped: cold for down_after intervals → the newest decode worker drains and exits
@@ -71,24 +78,8 @@ def test_the_forecast_policy_sizes_the_decode_pool_from_the_arrivals(tmp_path):
     with serving(tmp_path, 2, "--autoscale", "--policy", "forecast", "--capacity", "100,0.2", "--startup-s", "0",
                  "--headroom", "0", "--max-decode", "2", "--max-prefill", "1", "--autoscale-interval", "2",
                  "--speculative", "off") as up:
-        stop, answers, errors = threading.Event(), [], []
-
-        def user(u: int) -> None:
-            while not stop.is_set():
-                try:
-                    answers.append(ask(up.url, f"User {u} asks: tell me about the number {len(answers)}.", 12))
-                except Exception as exc:  # noqa: BLE001 — reported below
-                    errors.append(repr(exc))
-
-        users = [threading.Thread(target=user, args=(u,)) for u in range(3)]
-        for t in users:
-            t.start()
-        try:
+        with asking(up.url, max_tokens=12) as (_, errors):
             wait_for(lambda: "decode-1" in workers(up.url), "the added decode worker to be heard", 120)
-        finally:
-            stop.set()
-            for t in users:
-                t.join(60)
         assert not errors, errors[:3]
         wait_for(lambda: "decode-1 retired" in up.log(), "decode-1 to be drained and retired", 90)
         decisions = re.findall(r"autoscale: ([+-]) (\w+) (\S+) \S* ?\(forecast", up.log())
