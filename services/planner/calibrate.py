@@ -9,7 +9,7 @@ it:
     prefill   batch-1 TTFT at two prompt lengths:  TTFT = s_p · prefill step + request overhead
     decode    the event gap (one step), in two parts: per request of the batch-1 run, (tokens per
               event τ, mean gap) fitted as gap = plain + spec·(τ − 1) (a speculative step verifies
-              longer drafts when more of them are kept; per step, see Profile.spec_token_s); then
+              longer drafts when more of them are kept; per sequence, see Profile.spec_token_s); then
               the plain step's base, per-sequence and context parts of the profiled step scaled apart
               to meet batch 1 at 128 and 768 tokens of context and batch `high_batch` (one common
               factor when noise puts the solution outside ×0.05–20; on 2 shared cores the
@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -204,6 +205,22 @@ def spec_token_cost(points: tuple[tuple[float, float], ...]) -> tuple[float, flo
     return intercept, slope
 
 
+def _non_negative_fit(rows: np.ndarray, target: np.ndarray) -> np.ndarray | None:
+    """Coefficients ≥ 0 with rows @ x closest to target (least squares over every set of free
+    coefficients, the others held at 0: three unknowns, eight sets); None if no set fits."""
+    best, best_err = None, math.inf
+    for mask in range(1, 1 << rows.shape[1]):
+        free = np.array([bool(mask >> j & 1) for j in range(rows.shape[1])])
+        x = np.zeros(rows.shape[1])
+        x[free] = np.linalg.lstsq(rows[:, free], target, rcond=None)[0]
+        if np.any(x < 0):
+            continue
+        err = float(np.sum((rows @ x - target) ** 2))
+        if err < best_err - 1e-18:
+            best, best_err = x, err
+    return best
+
+
 def calibrate(profile: Profile, runs: list) -> Profile:
     """The profile with its fits scaled to what the served runs showed (`measure_stack`'s runs:
     three CalibrationRuns, then a LendingRun)."""
@@ -228,38 +245,36 @@ def calibrate(profile: Profile, runs: list) -> Profile:
               max(1.0, lending.gap_prefilling_s / lending.gap_alone_s))
 
     # decode, in events: a served step at one token an event (plain decoding) at batch 1 at short
-    # and long context and at the wide batch, and what each further token an event adds to a step
-    # (longer drafts verified). The profile's base, per-sequence and context parts are scaled apart
-    # so that all three served points are met (one common factor when noise makes that meaningless)
+    # and long context and at the wide batch, and what each further token an event adds to each
+    # sequence's step (longer drafts verified). The served plain step is fitted on those three
+    # points as base + per sequence + per context token, each ≥ 0 (the engine's own split can put
+    # a whole part at 0, and on shared cores a step of a few sequences costs little more than one);
+    # the profile's parts scaled by one common factor when the points admit no such fit
     plain1, spec = spec_token_cost(short.per_request)
     if spec == 0.0:
         plain1 = short.event_gap_s
-    points = [(short, plain1)] + [(r, r.event_gap_s - spec * (r.tokens_per_event - 1)) for r in (long, wide)]
-    d = profile.decode
-    parts = np.array([[d.base_s, d.per_seq_s * r.batch, d.per_ctx_token_s * r.batch * (r.prompt_tokens + r.output_tokens // 2)]
-                      for r, _ in points])
-    target = np.array([g for _, g in points])
-    try:
-        s_base, s_seq, s_ctx = np.linalg.solve(parts, target)
-    except np.linalg.LinAlgError:
-        s_base = s_seq = s_ctx = 0.0
-    if not all(0.05 <= x <= 20 for x in (s_base, s_seq, s_ctx)):
-        s_base = s_seq = s_ctx = plain1 / parts[0].sum()
+    points = [(short, plain1)] + [(r, r.event_gap_s - spec * r.batch * (r.tokens_per_event - 1)) for r in (long, wide)]
+    rows = np.array([[1.0, r.batch, r.batch * (r.prompt_tokens + r.output_tokens // 2)] for r, _ in points])
+    fit = _non_negative_fit(rows, np.array([g for _, g in points]))
+    if fit is None:  # a point at or below zero: the engine's parts, scaled to meet batch 1
+        d = profile.decode
+        fit = np.array([d.base_s, d.per_seq_s, d.per_ctx_token_s]) * (plain1 / d.decode_time(1, int(rows[0, 2])))
+    plain_fit = DecodeFit(*map(float, fit))
     tau = short.tokens_per_event
     shapes = [r.gap_quantiles for r in (short, wide) if r.gap_quantiles]
     shape = tuple(sum(col) / len(col) for col in zip(*shapes)) if shapes else (1.0,)
     shape = tuple(max(q, 1e-3) / (sum(shape) / len(shape)) for q in shape)  # mean exactly 1
     p = profile.prefill
-    plain_fit = DecodeFit(s_base * d.base_s, s_seq * d.per_seq_s, s_ctx * d.per_ctx_token_s)
     prefill_fit = PrefillFit(s_p * p.base_s, s_p * p.per_token_s, s_p * p.per_attn_pair_s, s_p * p.per_seq_s)
     meta = dict(profile.meta) | {"calibration": {
-        "prefill_slowdown": s_p, "decode_slowdown": {"base": s_base, "per_seq": s_seq, "per_ctx_token": s_ctx},
+        "prefill_slowdown": s_p, "decode_plain_fit": asdict(plain_fit),
         "spec_token_s": spec, "request_overhead_s": request_overhead, "tokens_per_event": tau, "itl_shape": shape,
         "unlent": unlent, "handoff_s": handoff, "runs": [r.__dict__ for r in runs]}}
-    log.info("calibration: prefill ×%.2f, decode base ×%.2f, per sequence ×%.2f, per context token ×%.2f, "
-             "×%.2f a prefill step and ×%.2f a decode step that cannot borrow, %.1f ms more a step per token an event, "
-             "request overhead %.1f ms, handoff %.1f ms, %.2f tokens per event, event gaps p10/p50/p90 at ×%.2f/%.2f/%.2f of the mean",
-             s_p, s_base, s_seq, s_ctx, *unlent, 1e3 * spec, 1e3 * request_overhead, 1e3 * handoff, tau, shape[len(shape) // 10],
+    log.info("calibration: prefill ×%.2f, plain decode step %.2f ms + %.2f ms a sequence + %.3f µs a context token, "
+             "×%.2f a prefill step and ×%.2f a decode step that cannot borrow, %.1f ms more a sequence's step per token "
+             "an event, request overhead %.1f ms, handoff %.1f ms, %.2f tokens per event, event gaps p10/p50/p90 at "
+             "×%.2f/%.2f/%.2f of the mean",
+             s_p, 1e3 * plain_fit.base_s, 1e3 * plain_fit.per_seq_s, 1e6 * plain_fit.per_ctx_token_s, *unlent, 1e3 * spec, 1e3 * request_overhead, 1e3 * handoff, tau, shape[len(shape) // 10],
              shape[len(shape) // 2], shape[len(shape) * 9 // 10])
     plain = replace(profile, prefill=prefill_fit, decode=plain_fit, request_overhead_s=request_overhead, handoff_s=handoff,
                     tokens_per_event=1.0, spec_token_s=spec, itl_shape=shape, unlent=unlent, meta=meta)

@@ -144,7 +144,7 @@ def test_itl_shape_spreads_event_gaps_and_leaves_the_rest():
 
 
 def test_a_workloads_acceptance_moves_its_steps_and_time_per_token():
-    """More tokens an event: each step longer by `spec_token_s` per extra token, the time per token
+    """More tokens an event: each step longer by `spec_token_s` per sequence per extra token, the time per token
     shorter; the calibration reads that cost from requests' (tokens per event, gap)."""
     from services.planner.calibrate import spec_token_cost
 
@@ -153,7 +153,7 @@ def test_a_workloads_acceptance_moves_its_steps_and_time_per_token():
         moved = spec.with_tokens_per_event(tau)
         for batch in (1, 4):
             event = moved.decode_time(batch, 500) * tau  # one step, τ tokens each sequence
-            assert event == pytest.approx(PROFILE.decode_time(batch, 500) + 0.004 * (tau - 1))
+            assert event == pytest.approx(PROFILE.decode_time(batch, 500) + 0.004 * batch * (tau - 1))
         back = moved.with_tokens_per_event(1.0).decode
         assert (back.base_s, back.per_seq_s, back.per_ctx_token_s) == pytest.approx(
             (PROFILE.decode.base_s, PROFILE.decode.per_seq_s, PROFILE.decode.per_ctx_token_s))
