@@ -54,7 +54,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"[cold start: compiled pdserve's CPU kernels in {cpu_ext.BUILD_SECONDS:.0f} s, cached for later runs]",
               file=sys.stderr)
     tok = engine.tokenizer
-    if args.chat:
+    if args.chat or (not args.raw and tok.chat_template):  # an instruct model asked raw often just ends
         text = render_chat(tok.chat_template, [{"role": "user", "content": args.prompt}], add_generation_prompt=True)
         prompt_ids = tok.encode(text, add_special_tokens=False)
     else:
@@ -110,7 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="stream the model's answer to a prompt")
     gen.add_argument("prompt")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    mode = gen.add_mutually_exclusive_group()
+    mode.add_argument("--chat", action="store_true",
+                      help="wrap the prompt in the model's chat template (the default when the model has one)")
+    mode.add_argument("--raw", action="store_true", help="continue the prompt as plain text, no chat template")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
