@@ -274,8 +274,9 @@ def calibrate(profile: Profile, runs: list) -> Profile:
              "×%.2f a prefill step and ×%.2f a decode step that cannot borrow, %.1f ms more a sequence's step per token "
              "an event, request overhead %.1f ms, handoff %.1f ms, %.2f tokens per event, event gaps p10/p50/p90 at "
              "×%.2f/%.2f/%.2f of the mean",
-             s_p, 1e3 * plain_fit.base_s, 1e3 * plain_fit.per_seq_s, 1e6 * plain_fit.per_ctx_token_s, *unlent, 1e3 * spec, 1e3 * request_overhead, 1e3 * handoff, tau, shape[len(shape) // 10],
-             shape[len(shape) // 2], shape[len(shape) * 9 // 10])
+             s_p, 1e3 * plain_fit.base_s, 1e3 * plain_fit.per_seq_s, 1e6 * plain_fit.per_ctx_token_s, *unlent,
+             1e3 * spec, 1e3 * request_overhead, 1e3 * handoff, tau, shape[len(shape) // 10], shape[len(shape) // 2],
+             shape[len(shape) * 9 // 10])
     plain = replace(profile, prefill=prefill_fit, decode=plain_fit, request_overhead_s=request_overhead, handoff_s=handoff,
                     tokens_per_event=1.0, spec_token_s=spec, itl_shape=shape, unlent=unlent, meta=meta)
     return plain.with_tokens_per_event(tau)
