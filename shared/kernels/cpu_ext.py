@@ -80,6 +80,7 @@ def load() -> ModuleType | None:
     if built.exists():  # the key names the sources, torch and the CPU: load it as it is
         with open(build_dir / "pdserve.lock", "w") as guard:
             fcntl.flock(guard, fcntl.LOCK_SH)  # not while a builder (LOCK_EX, below) is writing it
+            (build_dir / "lock").unlink(missing_ok=True)  # so torch's lock file, if any, is a dead builder's
             try:
                 return _import(built, f"pdserve_cpu_{key}")
             except ImportError as exc:  # a broken file: build it again below
