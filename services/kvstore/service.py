@@ -127,7 +127,7 @@ class KVStoreService:
             handler = self._on_read if op == "read" else self._make_handler(op)
             self._subs.append(await self.nc.subscribe(subjects.kv(self.store, op), cb=handler))
         self._subs.append(await self.nc.subscribe(subjects.RESET_PREFIX_CACHE, cb=self._on_reset))
-        await self.nc.flush()  # subscriptions are live on the server before we say we are ready
+        await nats_bus.settle(self.nc)  # subscriptions are live on the server before we say we are ready
         self._background = [asyncio.create_task(coro, name=f"kvstore-{name}") for name, coro in (
             ("reaper", self._reap_leases()), ("stats", self.heartbeat.run_nats()),
             ("valkey", self.heartbeat.run_valkey()), ("index", self.cache_events.run(self._index_stop)))]

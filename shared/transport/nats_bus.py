@@ -67,6 +67,17 @@ async def connect(url: str, name: str, *, user: str | None = None, password: str
     )
 
 
+async def settle(nc: NATS, timeout: float = 10.0) -> None:
+    """Return once the server has every command this client sent so far — the subscriptions just
+    made are live, so a request from another connection finds them. `nc.flush()` alone does not
+    prove it: nats-py writes flush's PING straight to the socket, ahead of the commands still queued
+    for its flusher task, so the PONG can come back before the server has seen a SUB sent just
+    before (1.6% of the time here: a kvstore said ready and its first request got "no responders").
+    The first round trip lets the flusher write the queue; the second PING follows it."""
+    await nc.flush(timeout)
+    await nc.flush(timeout)
+
+
 def describe(nc: NATS) -> dict:
     """Where this client is connected: the server, its cluster and the nodes it knows (for /health)."""
     info = getattr(nc, "_server_info", None) or {}

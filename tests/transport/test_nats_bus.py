@@ -23,6 +23,26 @@ async def test_a_url_list_connects_past_a_dead_server(nats_server):
         await nats_bus.connect(" , ", "test-empty")
 
 
+async def test_settled_subscriptions_answer_another_connection_at_once(nats_server):
+    """A service subscribes, settles, says ready; a request from another connection must find it.
+    With one plain flush this got "no responders" about once in 60 tries here."""
+    asker = await nats_bus.connect(nats_server.url, "test-asker")
+    try:
+        for i in range(300):
+            service = await nats_bus.connect(nats_server.url, "test-service")
+
+            async def answer(msg):
+                await msg.respond(b"ok")
+
+            for op in range(6):  # as many as a kvstore makes
+                await service.subscribe(f"test.settle.{i}.{op}", cb=answer)
+            await nats_bus.settle(service)
+            assert (await asker.request(f"test.settle.{i}.5", b"?", timeout=5)).data == b"ok"
+            await service.close()
+    finally:
+        await asker.close()
+
+
 async def test_a_job_published_again_with_its_id_is_stored_once(nats_server):
     nc = await nats_bus.connect(nats_server.url, "test-dedup")
     js = nc.jetstream()
