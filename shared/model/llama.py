@@ -33,8 +33,10 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)  # [P, Dh/2]
+        # computed on the CPU even inside a meta-device context (load_model's): there arange would
+        # run as a Python reference op, and importing what that needs costs 2 s (torch._dynamo)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64, device="cpu"), inv_freq)  # [P, Dh/2]
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
@@ -109,7 +111,10 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # no random init (`_weight`): on the meta device (load_model's) normal_ is a Python reference
+        # op too (see RotaryEmbedding)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_model_len, cfg.rope_theta)
@@ -237,7 +242,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     ckpt = open_checkpoint(path)
     with torch.device("meta"):
         model = LlamaModel(ckpt.config)
-    model = model.to_empty(device="cpu")
+    # to_empty(), but with torch.empty: empty_like of a meta tensor is a Python reference op (0.5 s)
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
     # the rotary table is a non-persistent buffer: to_empty left it uninitialised, rebuild it
     model.rope = RotaryEmbedding(ckpt.config.head_dim, ckpt.config.max_model_len, ckpt.config.rope_theta)
     model.load_weights(ckpt.tensors(), blocks=blocks)
