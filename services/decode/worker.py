@@ -22,7 +22,7 @@ from shared.protocol.messages import DecodeJob, ErrorCode, PrefillJob, Timing
 from shared.telemetry import tracing
 from shared.transport import nats_bus
 from shared.transport.kv_client import KVStoreClient, KVStoreError
-from shared.transport.worker import WorkerRuntime, attach_kvstore, safe
+from shared.transport.worker import WorkerRuntime, attach_kvstore
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,7 @@ class DecodeWorker(WorkerRuntime):
                 try:
                     await take(msg)
                 except Exception:
-                    log.exception("job intake failed; it will be redelivered")
-                    await safe(msg.nak(delay=1.0))
+                    await self.job_failed(msg, DecodeJob if take == self._take_decode else PrefillJob)
 
     # ------------------------------------------------------------------------------- DecodeJob
 

@@ -24,7 +24,7 @@ from shared.protocol.messages import DecodeJob, ErrorCode, KVBlockRef, PrefillJo
 from shared.telemetry import tracing
 from shared.transport import nats_bus
 from shared.transport.kv_client import KVStoreClient, KVStoreError
-from shared.transport.worker import WorkerRuntime, attach_kvstore, keep_in_progress, safe, wait_any
+from shared.transport.worker import WorkerRuntime, attach_kvstore, keep_in_progress, wait_any
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,7 @@ class PrefillWorker(WorkerRuntime):
         try:
             await self._prefill(msg)
         except Exception:
-            log.exception("prefill job failed unexpectedly; it will be redelivered")
-            await safe(msg.nak(delay=1.0))
+            await self.job_failed(msg, PrefillJob)
         finally:
             self.inflight -= 1
             self._room.set()

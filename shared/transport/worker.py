@@ -16,8 +16,8 @@ from shared.engine.cores import CoreShare
 from shared.engine.engine import LLMEngine
 from shared.protocol import subjects
 from shared.protocol.convert import logprobs_msg, to_params
-from shared.protocol.messages import (Cancel, ErrorCode, ResetReply, Timing, TokenEvent, Usage, WorkerStats, decode,
-                                     encode)
+from shared.protocol.messages import (Cancel, DecodeJob, ErrorCode, ResetReply, Timing, TokenEvent, Usage, WorkerStats,
+                                     decode, encode)
 from shared.transport import nats_bus, valkey
 from shared.transport.cache_events import CachePublisher
 from shared.transport.heartbeat import heartbeat, publish_stats
@@ -244,6 +244,30 @@ class WorkerRuntime:
         while self._recent and self._recent[0][0] < now - REPLAY_WINDOW_S:
             self._recent.popleft()
         await self.nc.publish(subject, data)
+
+    async def job_failed(self, msg, job_type) -> None:
+        """A job raised unexpectedly (call from an `except`). Hand it back for another try (here or
+        on another worker) unless this was its last delivery: then end its request with an error at
+        once, instead of leaving the gateway to wait out its queue timeout for a job nobody runs."""
+        delivered = msg.metadata.num_delivered
+        if delivered < self.config.max_deliver:
+            log.exception("%s failed unexpectedly (delivery %d of %d); it will be redelivered", job_type.__name__,
+                          delivered, self.config.max_deliver)
+            await safe(msg.nak(delay=1.0))
+            return
+        log.exception("%s failed unexpectedly on its last delivery (%d); its request fails", job_type.__name__,
+                      delivered)
+        try:
+            job = decode(msg.data, job_type)
+        except Exception:  # cannot name its request: JetStream drops it, the gateway's timeout ends it
+            job = None
+        if job is not None:
+            # the index the worker would have published next: the gateway drops events behind its stream
+            index = job.num_resumed + 1 if isinstance(job, DecodeJob) else len(job.resume_ids)
+            await safe(self.publish_error(job.request_id, index, ErrorCode.INTERNAL,
+                                          f"{self.config.role} worker {self.config.instance} failed this request's "
+                                          f"job {delivered} times (see its log)"))
+        await safe(msg.term())
 
     async def publish_error(self, request_id: str, index: int, code: ErrorCode, message: str) -> None:
         log.warning("request %s fails: %s", request_id, message)

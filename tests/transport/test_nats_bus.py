@@ -122,3 +122,49 @@ async def test_token_events_lost_in_an_outage_are_sent_again_on_request(nats_ser
     assert [(e.index, e.finished) for e in got[2:]] == [(0, False), (2, True)]
     await sub.unsubscribe()
     await nc.close()
+
+
+async def test_a_job_failing_on_its_last_delivery_ends_its_request_at_once(nats_server):
+    """A job that raises in a worker is handed back while it has deliveries left; on its last one
+    its request gets an error event (the gateway ends it), instead of waiting out the queue timeout."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from shared.protocol.messages import PrefillJob, SamplingMsg, TokenEvent, decode, encode
+    from shared.transport.worker import WorkerRuntime as Worker
+
+    nc = await nats_bus.connect(nats_server.url, "test-failing-job")
+    js = nc.jetstream()
+    await nats_bus.ensure_streams(js)
+    instance = "failing-test"
+    sub = await nats_bus.worker_subscription(js, subjects.PREFILL_STREAM, subjects.PREFILL_JOBS, instance,
+                                             ack_wait=30, max_deliver=2)
+    worker = SimpleNamespace(nc=nc, config=SimpleNamespace(role="prefill", instance=instance, max_deliver=2),
+                             attempts={}, _recent=deque(), _tasks=[])
+    worker.publish_tokens = lambda *a, **k: Worker.publish_tokens(worker, *a, **k)
+    worker.publish_error = lambda *a: Worker.publish_error(worker, *a)
+    events = []
+
+    async def on_event(msg):
+        events.append(decode(msg.data, TokenEvent))
+
+    events_sub = await nc.subscribe(subjects.tokens("r-fails"), cb=on_event)
+    job = PrefillJob(request_id="r-fails", prompt_ids=[1, 2], params=SamplingMsg(), resume_ids=[9])
+    await nats_bus.publish_job(js, subjects.worker_jobs(subjects.PREFILL_JOBS, instance), encode(job), "r-fails.0")
+    for delivery in (1, 2):
+        [msg] = await sub.fetch(1, timeout=5)
+        assert msg.metadata.num_delivered == delivery
+        try:
+            raise RuntimeError("a bug")
+        except RuntimeError:
+            await Worker.job_failed(worker, msg, PrefillJob)
+        await nc.flush()
+        await asyncio.sleep(0.1)
+        assert len(events) == delivery - 1  # handed back quietly the first time
+    [error] = events
+    assert error.finished and error.finish_reason == "error" and error.index == 1  # after the resumed token
+    assert "failed this request's job 2 times" in error.error
+    with pytest.raises(TimeoutError):
+        await sub.fetch(1, timeout=1.5)  # terminated: never delivered again
+    await events_sub.unsubscribe()
+    await nc.close()
