@@ -46,7 +46,7 @@ from shared.config import EngineConfig
 from shared.engine.engine import LLMEngine, RequestOutput
 from shared.model.hub import resolve_model_path
 from shared.model.llama import LlamaModel, load_model
-from shared.model.sampling import SamplingParams
+from shared.model.sampling_params import SamplingParams
 from shared.model.tokenizer import Tokenizer
 
 log = logging.getLogger("bench_engine")

@@ -31,7 +31,7 @@ from shared.config import EngineConfig, SpecConfig  # noqa: E402
 from shared.engine.engine import LLMEngine  # noqa: E402
 from shared.model.chat_template import render_chat  # noqa: E402
 from shared.model.grammar import GrammarCompiler  # noqa: E402
-from shared.model.sampling import Constraint, SamplingParams  # noqa: E402
+from shared.model.sampling_params import Constraint, SamplingParams  # noqa: E402
 from tests.data.json_schemas import SCHEMAS  # noqa: E402
 
 

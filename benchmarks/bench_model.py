@@ -38,7 +38,7 @@ from shared.config import EngineConfig, SpecConfig
 from shared.engine.engine import LLMEngine
 from shared.model.hub import pdserve_home, resolve_model_path
 from shared.model.quant import QuantLinear
-from shared.model.sampling import SamplingParams
+from shared.model.sampling_params import SamplingParams
 
 DECODE_STEPS = 32
 

@@ -19,7 +19,7 @@ import torch
 
 from shared.config import EngineConfig, SpecConfig
 from shared.engine.engine import LLMEngine
-from shared.model.sampling import Constraint, SamplingParams
+from shared.model.sampling_params import Constraint, SamplingParams
 
 WARMUP, STEPS = 8, 64
 PLAIN = {"temperature": 0.0}

@@ -18,7 +18,7 @@ from bench_model import prefill_seconds  # benchmarks/, the script's own directo
 from shared.config import EngineConfig, SpecConfig
 from shared.engine.engine import LLMEngine
 from shared.kernels import cpu_ext
-from shared.model.sampling import SamplingParams
+from shared.model.sampling_params import SamplingParams
 
 WARMUP = 8
 

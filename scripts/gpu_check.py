@@ -97,7 +97,7 @@ def part_kernels(device: str, quick: bool) -> dict:
 def part_engine(device: str, quick: bool) -> dict:
     from shared.config import EngineConfig, SpecConfig
     from shared.engine.engine import LLMEngine
-    from shared.model.sampling import SamplingParams
+    from shared.model.sampling_params import SamplingParams
     from tests.model_utils import tiny_model
 
     greedy = SamplingParams(temperature=0.0, max_tokens=8 if quick else 24, ignore_eos=True)

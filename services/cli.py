@@ -44,10 +44,9 @@ def cmd_model_export_tokenizer(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from shared.engine.engine import LLMEngine
-    from shared.model.chat_template import render_chat
-    from shared.model.sampling import SamplingParams
-
     from shared.kernels import cpu_ext
+    from shared.model.chat_template import render_chat
+    from shared.model.sampling_params import SamplingParams
 
     engine = LLMEngine.from_config(engine_config(args))
     if cpu_ext.BUILD_SECONDS is not None:

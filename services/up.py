@@ -19,6 +19,7 @@ import argparse
 import itertools
 import logging
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -474,14 +475,18 @@ def format_plan(args: argparse.Namespace) -> str:
 
 
 def _build_cpu_extension(args: argparse.Namespace) -> None:
-    """Build (or load from its cache) the CPU kernels once, before the workers start, and say what
-    a cold start cost: the workers then load it in milliseconds instead of racing to build it."""
+    """Build (or find in its cache) the CPU kernels once, before the workers start: they then load
+    it in milliseconds instead of racing to build it. In a child process, so that this supervisor,
+    which lives as long as the stack, never imports torch (~250 MB). The child's log (a first
+    build's "compiling …, ~1 min") goes straight to the terminal."""
     if args.quantization != "auto" or args.device != "cpu":
         return
-    from shared.kernels import cpu_ext
-
-    if cpu_ext.load() is not None and cpu_ext.BUILD_SECONDS is not None:
-        log.info("cold start: compiled pdserve's CPU kernels in %.0f s (cached for later starts)", cpu_ext.BUILD_SECONDS)
+    done = subprocess.run([sys.executable, "-m", "shared.kernels.cpu_ext"], stdout=subprocess.PIPE, text=True)
+    built = re.search(r"built in (\d+) s", done.stdout)
+    if built:
+        log.info("cold start: compiled pdserve's CPU kernels in %s s (cached for later starts)", built[1])
+    elif done.returncode != 0 or "ready" not in done.stdout:  # the workers will say why, and run the torch path
+        log.warning("the CPU kernels are not ready: %s", done.stdout.strip() or f"exit code {done.returncode}")
 
 
 def wait_healthy(stack: Stack, url: str, timeout: float = 180.0) -> None:

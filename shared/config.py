@@ -4,22 +4,30 @@ CLI; everything below receives plain values through its constructor."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from shared.protocol import subjects
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # by canonical name
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
+def dtype_name(name: str) -> str:
+    """The canonical name of a dtype ("bf16" → "bfloat16"), checked without importing torch."""
     try:
         return _DTYPES[name.lower()]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(sorted(_DTYPES))}") from None
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    import torch  # here, not above: the gateway, the kvstore and `pdserve up` read this module, torch-free
+
+    return name if isinstance(name, torch.dtype) else getattr(torch, dtype_name(name))
 
 
 SPEC_MODES = ("off", "ngram", "suffix", "draft")
@@ -67,8 +75,8 @@ class EngineConfig:
     speculative: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
-        parse_dtype(self.kv_cache_dtype)
+        dtype_name(self.dtype)
+        dtype_name(self.kv_cache_dtype)
         if self.quantization not in ("auto", "none"):
             raise ValueError(f"engine config: unknown quantization {self.quantization!r}; choose auto or none")
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):

@@ -12,7 +12,7 @@ from typing import Any
 
 from services.gateway.errors import bad_request
 from shared.model.grammar import GrammarCompiler, GrammarError
-from shared.model.sampling import Constraint
+from shared.model.sampling_params import Constraint
 from shared.protocol.messages import ConstraintMsg
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}

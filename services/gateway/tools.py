@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.errors import bad_request
-from shared.model.sampling import Constraint
+from shared.model.sampling_params import Constraint
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 
 from shared.config import ConnectionConfig
-from shared.kvcache.kv_cache import BLOCK_SIZE
+from shared.kvcache import BLOCK_SIZE
 from shared.protocol import subjects
 
 # A store name is one NATS subject token (pd.kv.<store>.<op>) and part of Valkey keys.
@@ -58,14 +58,12 @@ def layout_for_model(model: str | None, dtype: str = "bfloat16", block_size: int
     The layout names the block format of `shared.kvcache.kv_cache.KVCache`:
     [num_layers, 2 (K, V), block_size, num_kv_heads, head_dim] in `dtype`.
     """
-    from shared.config import parse_dtype
-    from shared.kvcache.kv_cache import KVCache
+    from shared.config import DTYPE_BYTES, dtype_name
     from shared.model.hub import resolve_model_path
     from shared.model.loader import open_checkpoint
 
-    torch_dtype = parse_dtype(dtype)
+    name = dtype_name(dtype)
     cfg = open_checkpoint(resolve_model_path(model)).config
-    block_bytes = KVCache.bytes_per_block(cfg, block_size, torch_dtype)
-    dtype_name = str(torch_dtype).removeprefix("torch.")
-    layout = f"L{cfg.num_layers}.2.{block_size}.H{cfg.num_kv_heads}.D{cfg.head_dim}.{dtype_name}"
+    block_bytes = cfg.kv_values_per_token * block_size * DTYPE_BYTES[name]  # = KVCache.bytes_per_block
+    layout = f"L{cfg.num_layers}.2.{block_size}.H{cfg.num_kv_heads}.D{cfg.head_dim}.{name}"
     return block_bytes, layout

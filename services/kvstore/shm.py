@@ -1,7 +1,7 @@
 """The store's block memory: `num_slots × block_bytes` bytes, slot s at byte offset s × block_bytes.
 
     segment:  | slot 0 | slot 1 | slot 2 | … | slot n-1 |      each block_bytes long
-    `slots`:  the same bytes as a uint8 tensor [num_slots, block_bytes] (no copy)
+    `slots`:  the same bytes as a uint8 array [num_slots, block_bytes] (no copy)
 
 On a CPU host the bytes live in a POSIX shared-memory segment that same-host workers map (see
 `shared.transport.kv_client`), so a block read or write is one memcpy. The store creates the
@@ -15,8 +15,9 @@ import logging
 import os
 import secrets
 from multiprocessing import shared_memory
+from pathlib import Path
 
-import torch
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ class PoolMemory:
         self.num_slots, self.block_bytes = num_slots, block_bytes
         size = num_slots * block_bytes
         self._shm: shared_memory.SharedMemory | None = None
-        if torch.cuda.is_available():
+        if Path("/proc/driver/nvidia/version").exists():  # an NVIDIA driver: a CUDA host
             # DESIGN.md: on CUDA hosts the pool is pinned (page-locked) host memory so device copies are
             # DMA; pinning the shm pages (cudaHostRegister) would keep same-host mapping too. Not built
             # yet: the shared-memory segment below is what runs, and device copies go through pageable
@@ -44,7 +45,7 @@ class PoolMemory:
         # [num_slots, block_bytes] uint8 over the same bytes; the memoryview is sliced to `size`
         # because the OS may round the segment up to a page multiple.
         self.buf = memoryview(buf)[:size]
-        self.slots = torch.frombuffer(self.buf, dtype=torch.uint8).view(num_slots, block_bytes)
+        self.slots = np.frombuffer(self.buf, dtype=np.uint8).reshape(num_slots, block_bytes)
 
     def _reserve(self, size: int) -> None:
         """Back the whole segment now. tmpfs grants a sparse segment bigger than /dev/shm (64 MiB in a

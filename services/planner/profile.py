@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -32,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from shared.config import EngineConfig
 from shared.sim.cost import DecodeFit, EngineLimits, LinearFit, PrefillFit, Profile, TransferFit
@@ -115,6 +115,8 @@ class Profiler:
         return out
 
     def _forward(self, chunks) -> None:
+        import torch  # in the functions that measure: every `pdserve` command's parser reads this module
+
         logits = self.engine.runner.execute(chunks)
         torch.argmax(logits, dim=-1).tolist()  # greedy sampling, and a sync point on accelerators
         if self.device.startswith("cuda"):
@@ -145,7 +147,7 @@ class Profiler:
 
     def engine_overhead(self, decode_fit: DecodeFit) -> dict[str, float]:
         """Whole engine steps of a real decode batch minus the fitted forward pass: the bookkeeping."""
-        from shared.model.sampling import SamplingParams
+        from shared.model.sampling_params import SamplingParams
 
         e, batch, prompt = self.engine, 8, 64
         params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
@@ -171,6 +173,7 @@ class Profiler:
 async def _transfer_points(nats_url: str, store: str, proc: subprocess.Popen, block_shape: tuple, sizes: list[int],
                            repeat: int) -> dict[str, list[dict]]:
     import nats
+    import torch
 
     from services.kvstore.bench import _one_round, _wait_attached
     from shared.kvcache.block_hash import block_keys
@@ -211,7 +214,7 @@ def measure_transfer(block_shape: tuple, quick: bool) -> tuple[dict[str, Transfe
     nats_server, valkey_server = start_nats(workdir=f"{work}/nats"), start_valkey(workdir=f"{work}/valkey")
     store = f"profile-{uuid.uuid4().hex[:8]}"
     layers, _, bs, heads, dim = block_shape
-    block_bytes = 2 * torch.Size(block_shape).numel()
+    block_bytes = 2 * math.prod(block_shape)
     proc = subprocess.Popen([sys.executable, "-m", "services.kvstore", "--store", store, "--block-bytes",
                              str(block_bytes), "--layout", f"L{layers}.2.{bs}.H{heads}.D{dim}.bfloat16",
                              "--num-slots", str(2 * max(sizes)), "--nats", nats_server.url,
@@ -232,6 +235,8 @@ def measure_transfer(block_shape: tuple, quick: bool) -> tuple[dict[str, Transfe
 
 
 def run_profile(config: ProfileConfig) -> dict[str, Any]:
+    import torch
+
     t0 = time.perf_counter()
     prof = Profiler(config)
     mcfg = prof.engine.model.config

@@ -29,7 +29,8 @@ from shared.model.detokenizer import IncrementalDetokenizer
 from shared.model.grammar import GrammarCompiler, GrammarError
 from shared.model.hub import resolve_model_path
 from shared.model.llama import LlamaModel, load_model
-from shared.model.sampling import History, SamplingParams, TokenLogprobs, prompt_logprobs, sample
+from shared.model.sampling import prompt_logprobs, sample
+from shared.model.sampling_params import History, SamplingParams, TokenLogprobs
 from shared.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

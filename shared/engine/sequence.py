@@ -9,7 +9,7 @@ from typing import Any
 
 from shared.engine.speculative import SeqSpec
 from shared.kvcache.block_hash import BlockKey
-from shared.model.sampling import SamplingParams
+from shared.model.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.IntEnum):

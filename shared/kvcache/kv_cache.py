@@ -15,9 +15,8 @@ import mmap
 
 import torch
 
+from shared.kvcache import BLOCK_SIZE
 from shared.model.config import ModelConfig
-
-BLOCK_SIZE = 16  # tokens per KV block (DESIGN.md contract)
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:

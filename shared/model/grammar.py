@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import json
 import threading
+from typing import TYPE_CHECKING
 
 import llguidance
-import torch
 
-from shared.model.sampling import Constraint
+from shared.model.sampling_params import Constraint
 from shared.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 KINDS = ("json", "regex", "choice", "grammar")
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 class GrammarError(ValueError):
@@ -97,15 +99,18 @@ class Matcher:
     """One sequence's position in its grammar."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+        import torch  # here: the gateway compiles grammars (to check them) and never imports torch
+
         self._m = matcher
         self._words = torch.empty(1, (vocab_size + 31) // 32, dtype=torch.int32)
+        self._bits = torch.arange(32, dtype=torch.int32)
         self.vocab_size = vocab_size
 
     def allowed(self) -> torch.Tensor:
         """[V] bool: the tokens the grammar allows next (the end-of-text tokens once it is complete)."""
         row = self._words[0]
         self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
-        return ((row.unsqueeze(-1) >> _BITS) & 1).view(-1)[:self.vocab_size].bool()
+        return ((row.unsqueeze(-1) >> self._bits) & 1).view(-1)[:self.vocab_size].bool()
 
     def accept(self, token: int) -> bool:
         """Advance by one token; False (and the matcher stops) where the grammar does not allow it."""

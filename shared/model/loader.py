@@ -21,14 +21,18 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from shared.model.config import ModelConfig
 from shared.model.gguf_file import GGUFError, GGUFFile
 from shared.model.hub import ModelNotFoundError
-from shared.model.quant import Q4_1, Q8_0, QuantTensor
+
+if TYPE_CHECKING:  # the weights need torch; reading a checkpoint's config (the gateway) does not
+    import torch
+
+    from shared.model.quant import QuantTensor
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM",)
@@ -148,6 +152,10 @@ def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _gguf_tensors(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+    import torch
+
+    from shared.model.quant import Q4_1, Q8_0, QuantTensor
+
     path = gguf.path
     for name, info in gguf.tensors.items():
         hf_name = _gguf_name_to_hf(name)

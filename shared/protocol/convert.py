@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.model import sampling
-from shared.model.sampling import SamplingParams
+from shared.model import sampling_params
+from shared.model.sampling_params import SamplingParams
 from shared.protocol.messages import ConstraintMsg, SamplingMsg, TokenLogprobs
 
 
@@ -16,7 +16,7 @@ def to_params(msg: SamplingMsg, *, num_resumed: int = 0) -> SamplingParams:
     fields["max_tokens"] = msg.max_tokens - num_resumed
     fields["min_tokens"] = max(0, msg.min_tokens - num_resumed)
     c = msg.constraint
-    fields["constraint"] = None if c is None else sampling.Constraint(c.kind, c.spec, tuple(c.choices))
+    fields["constraint"] = None if c is None else sampling_params.Constraint(c.kind, c.spec, tuple(c.choices))
     return SamplingParams(**fields)
 
 
@@ -28,5 +28,5 @@ def to_msg(params: SamplingParams) -> SamplingMsg:
                                    else ConstraintMsg(kind=c.kind, spec=c.spec, choices=list(c.choices))})
 
 
-def logprobs_msg(logprobs: list[sampling.TokenLogprobs] | None) -> list[TokenLogprobs]:
+def logprobs_msg(logprobs: list[sampling_params.TokenLogprobs] | None) -> list[TokenLogprobs]:
     return [TokenLogprobs(lp.logprob, lp.top_ids, lp.top_logprobs) for lp in logprobs or []]

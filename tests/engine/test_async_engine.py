@@ -6,7 +6,7 @@ import asyncio
 
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import RequestError
-from shared.model.sampling import SamplingParams
+from shared.model.sampling_params import SamplingParams
 from tests.engine.test_engine import make_engine, prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)

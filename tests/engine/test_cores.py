@@ -9,7 +9,7 @@ import torch
 
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.cores import CoreShare
-from shared.model.sampling import SamplingParams
+from shared.model.sampling_params import SamplingParams
 from tests.engine.test_async_engine import collect
 from tests.engine.test_engine import make_engine, prompts
 

@@ -8,7 +8,7 @@ import torch
 
 from shared.config import EngineConfig, SpecConfig
 from shared.engine.engine import LLMEngine, RequestError
-from shared.model.sampling import SamplingParams
+from shared.model.sampling_params import SamplingParams
 from tests.model_utils import contiguous_forward, contiguous_greedy, tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)

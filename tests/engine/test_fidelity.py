@@ -18,7 +18,7 @@ from shared.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.model_runner import ScheduledChunk
 from shared.model.chat_template import render_chat
-from shared.model.sampling import SamplingParams
+from shared.model.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import pytest
 from shared.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.model.chat_template import render_chat
-from shared.model.sampling import SamplingParams
+from shared.model.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

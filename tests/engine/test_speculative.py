@@ -13,7 +13,7 @@ from shared.config import EngineConfig, SpecConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.sequence import Sequence
 from shared.engine.speculative import Proposal, Speculator, StepCost, SuffixCache
-from shared.model.sampling import SamplingParams
+from shared.model.sampling_params import SamplingParams
 from tests.engine.test_engine import assert_all_blocks_released, prompts, run_checked
 from tests.model_utils import contiguous_forward, tiny_model
 

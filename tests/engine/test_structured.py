@@ -12,7 +12,7 @@ import pytest
 
 from shared.config import EngineConfig, SpecConfig
 from shared.engine.engine import LLMEngine, RequestError
-from shared.model.sampling import Constraint, SamplingParams
+from shared.model.sampling_params import Constraint, SamplingParams
 from tests.data.json_schemas import SCHEMAS
 from tests.engine.test_generate_real_model import chat_ids
 

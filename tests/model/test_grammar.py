@@ -8,7 +8,7 @@ import json
 import pytest
 
 from shared.model.grammar import GrammarCompiler, GrammarError
-from shared.model.sampling import Constraint
+from shared.model.sampling_params import Constraint
 from shared.model.tokenizer import Tokenizer
 
 

@@ -11,7 +11,8 @@ import torch
 
 from shared.config import EngineConfig, SpecConfig
 from shared.engine.engine import LLMEngine
-from shared.model.sampling import History, SamplingParams, sample
+from shared.model.sampling import sample
+from shared.model.sampling_params import History, SamplingParams
 from tests.engine.test_engine import assert_all_blocks_released, run_checked
 from tests.model_utils import tiny_model
 

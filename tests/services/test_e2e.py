@@ -19,7 +19,7 @@ from services.up import add_up_args, start_stack, wait_healthy
 from shared.config import EngineConfig, SpecConfig
 from shared.engine.engine import LLMEngine
 from shared.model.chat_template import render_chat
-from shared.model.sampling import Constraint, SamplingParams
+from shared.model.sampling_params import Constraint, SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -259,6 +259,28 @@ def kill_under_streams(up: Up, victim: str, prompts: list[str], max_tokens: int)
     return results, streams.counts(), serving_s, ended_s
 
 
+# ----------------------------------------------------------------------------------------- memory
+
+
+def test_only_the_processes_that_run_the_model_load_torch(stack):
+    """torch is for the engines. `pdserve up` (it lives as long as the stack), the gateway and the
+    kvstore never import it, also after a structured-output request (the gateway compiles its
+    grammar): each would otherwise hold 150-250 MB more and spend a second of CPU at every start."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 16,
+            "temperature": 0.0, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "colour", "schema": {"type": "object", "properties": {"colour": {"type": "string"}}}}}}
+    r = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    processes = {"up": stack.proc.pid, **stack.children()}
+    assert {"up", "gateway", "kvstore", "prefill-0", "decode-0"} <= processes.keys(), processes
+
+    def has_torch(pid: int) -> bool:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+    loaded = {name for name, pid in processes.items() if has_torch(pid)}
+    assert loaded == {"prefill-0", "decode-0", "decode-1"}, loaded
+
+
 # ----------------------------------------------------------------------------------------- kills
 
 VICTIMS = ["decode-0", "prefill-0", "gateway", "nats", "valkey"]
