@@ -244,7 +244,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         model = LlamaModel(ckpt.config)
     # to_empty(), but with torch.empty: empty_like of a meta tensor is a Python reference op (0.5 s)
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
-    # the rotary table is a non-persistent buffer: to_empty left it uninitialised, rebuild it
+    # the rotary table is a non-persistent buffer: the line above left it uninitialised, rebuild it
     model.rope = RotaryEmbedding(ckpt.config.head_dim, ckpt.config.max_model_len, ckpt.config.rope_theta)
     model.load_weights(ckpt.tensors(), blocks=blocks)
     if not blocks:
