@@ -10,6 +10,7 @@ matmuls, not seven: on this small model the per-op overhead matters as much as t
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import re
 from collections.abc import Iterable
@@ -251,6 +252,16 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         model = model.to(device=device, dtype=dtype)
     model.rope.float()  # the table stays fp32; it is cast per use
     model.eval()
+    _return_freed_memory()
     log.info("loaded %s (%s, %s) on %s: %s", ckpt.config.name, ckpt.format, path, device,
              "the file's weight blocks, fp32 activations" if blocks else f"dense {dtype}")
     return model
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap memory freed while loading (each matrix's copies on its way to the kernel's
+    layout) back to the OS. glibc keeps it otherwise: 68 MB of a worker's resident memory here."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator decides
+        pass
