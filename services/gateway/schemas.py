@@ -13,9 +13,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, field_validator
 
 from services.gateway.errors import APIError, bad_request, unsupported, validation_error
+from shared.model.sampling_params import MAX_LOGPROBS
 
 MAX_STOP_STRINGS = 4
-MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat limit; vLLM's default max_logprobs)
 MAX_CHOICES = 16  # n and best_of: each choice is a decode stream of its own
 _SEED_RANGE = (-(2**63), 2**64 - 1)  # what msgpack and torch.Generator.manual_seed both take
 

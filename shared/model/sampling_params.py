@@ -79,7 +79,7 @@ class SamplingParams:
                 or bool(self.logit_bias))
 
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat limit; vLLM's default max_logprobs)
 
 
 @dataclass
