@@ -475,11 +475,13 @@ def format_plan(args: argparse.Namespace) -> str:
 
 
 def _build_cpu_extension(args: argparse.Namespace) -> None:
-    """Build (or find in its cache) the CPU kernels once, before the workers start: they then load
-    it in milliseconds instead of racing to build it. In a child process, so that this supervisor,
-    which lives as long as the stack, never imports torch (~250 MB). The child's log (a first
-    build's "compiling …, ~1 min") goes straight to the terminal."""
-    if args.quantization != "auto" or args.device != "cpu":
+    """Build the CPU kernels once, before the workers start, where they are not in the cache: the
+    workers then load them in milliseconds instead of racing to build them. In a child process, so
+    that this supervisor, which lives as long as the stack, never imports torch (~250 MB). The
+    child's log (a first build's "compiling …, ~1 min") goes straight to the terminal."""
+    from shared.kernels import cpu_ext
+
+    if args.quantization != "auto" or args.device != "cpu" or cpu_ext.is_built():
         return
     done = subprocess.run([sys.executable, "-m", "shared.kernels.cpu_ext"], stdout=subprocess.PIPE, text=True)
     built = re.search(r"built in (\d+) s", done.stdout)

@@ -15,14 +15,13 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import importlib.metadata
 import importlib.util
 import logging
 import os
 import time
 from pathlib import Path
 from types import ModuleType
-
-import torch
 
 from shared.model.hub import pdserve_home
 
@@ -44,17 +43,31 @@ def cpu_supported() -> tuple[bool, str]:
     return True, ""
 
 
-def _build_key() -> str:
+def _build_key(torch_version: str) -> str:
     h = hashlib.sha256()
     for p in [*SOURCES, *_HEADERS]:
         h.update(p.read_bytes())
-    h.update(torch.__version__.encode())
+    h.update(torch_version.encode())
     try:
         model = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
         h.update(model.encode())
     except (OSError, StopIteration):
         pass
     return h.hexdigest()[:16]
+
+
+def _built_file(key: str) -> Path:
+    return pdserve_home() / "ext" / f"cpu-{key}" / f"pdserve_cpu_{key}.so"
+
+
+def is_built() -> bool:
+    """Whether this machine's build is in the cache, told without importing torch (`pdserve up`
+    asks before it starts the workers; by torch's installed version, which is torch.__version__)."""
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return cpu_supported()[0] and _built_file(_build_key(version)).exists()
 
 
 BUILD_SECONDS: float | None = None  # wall time of the build this process did (None: loaded from cache)
@@ -71,12 +84,13 @@ def load() -> ModuleType | None:
     if not ok:
         log.warning("CPU extension unavailable (%s): using the slower torch path", why)
         return None
+    import torch
     from torch.utils import cpp_extension
 
-    key = _build_key()
-    build_dir = pdserve_home() / "ext" / f"cpu-{key}"
+    key = _build_key(torch.__version__)
+    built = _built_file(key)
+    build_dir = built.parent
     build_dir.mkdir(parents=True, exist_ok=True)
-    built = build_dir / f"pdserve_cpu_{key}.so"
     if built.exists():  # the key names the sources, torch and the CPU: load it as it is
         with open(build_dir / "pdserve.lock", "w") as guard:
             fcntl.flock(guard, fcntl.LOCK_SH)  # not while a builder (LOCK_EX, below) is writing it

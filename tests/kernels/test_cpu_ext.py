@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from shared.kernels import cpu_ext
 from shared.model.hub import pdserve_home
@@ -18,7 +19,8 @@ def test_a_stale_build_lock_does_not_hang_the_next_start():
     if not ok:
         pytest.skip(f"no CPU extension on this machine: {why}")
     assert cpu_ext.load() is not None  # built (or found) once
-    build_dir = pdserve_home() / "ext" / f"cpu-{cpu_ext._build_key()}"
+    assert cpu_ext.is_built()  # what `pdserve up` asks (torch-free) before it starts the workers
+    build_dir = pdserve_home() / "ext" / f"cpu-{cpu_ext._build_key(torch.__version__)}"
     (build_dir / "lock").touch()  # what a killed builder leaves
     code = "from shared.kernels import cpu_ext; import sys; sys.exit(0 if cpu_ext.load() is not None else 1)"
     done = subprocess.run([sys.executable, "-c", code], timeout=300, capture_output=True, text=True)
