@@ -511,6 +511,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     args = resolve_settings(args)
     print(format_settings(args), flush=True)
+    config = forecast = None
     if args.autoscale:
         try:
             config = autoscale_config(args)
@@ -519,9 +520,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             return 2
         print(config.describe(), flush=True)
         if args.policy == "forecast":  # a bad flag is one line now, not after the stack has started
-            scaler = forecast_scaler(args, config, "pdserve up")
-            print(f"  policy: forecast, {scaler.capacity.prefill_rps:g} and {scaler.capacity.decode_rps:g} req/s a "
-                  f"prefill and a decode worker, {scaler.startup_s:g} s from adding one to serving", flush=True)
+            forecast = forecast_scaler(args, config, "pdserve up")
+            print(f"  policy: forecast, {forecast.capacity.prefill_rps:g} and {forecast.capacity.decode_rps:g} req/s "
+                  f"a prefill and a decode worker, {forecast.startup_s:g} s from adding one to serving", flush=True)
     if args.dry_run:
         print(format_plan(args), flush=True)
         return 0
@@ -537,11 +538,11 @@ def cmd_up(args: argparse.Namespace) -> int:
               flush=True)
         orderly = True
         workers = StackWorkers(stack)
-        scaler = start_autoscaler(args, url, workers, workers.running()) if args.autoscale else None
+        autoscaler = start_autoscaler(config, forecast, url, workers, workers.running()) if args.autoscale else None
         while not stopping.wait(POLL_S):
             stack.check_alive()
-            if scaler is not None:
-                scaler.tick()
+            if autoscaler is not None:
+                autoscaler.tick()
         print("stopping pdserve ...", flush=True)
         return 0
     except KeyboardInterrupt:

@@ -423,11 +423,10 @@ def autoscale_config(args) -> AutoscaleConfig:
     return limits_config(args, colocated=args.mode == "colocated", started=(args.prefill, args.decode))
 
 
-def start_autoscaler(args, url: str, actuator: Actuator, initial: dict[str, list[str]]) -> LiveAutoscaler:
-    """What `pdserve up --autoscale` makes once the stack is healthy: `initial[kind]` names the
-    workers already up; `tick()` it from the supervision loop."""
-    config = autoscale_config(args)
-    policy = None
-    if args.policy == "forecast":
-        policy = ForecastAutoscaler(forecast_scaler(args, config, "pdserve up"), actuator, initial)
+def start_autoscaler(config: AutoscaleConfig, forecast: ForecastScaler | None, url: str, actuator: Actuator,
+                     initial: dict[str, list[str]]) -> LiveAutoscaler:
+    """What `pdserve up --autoscale` makes once the stack is healthy (`forecast`: `--policy
+    forecast`'s scaler, checked before the stack started): `initial[kind]` names the workers
+    already up; `tick()` it from the supervision loop."""
+    policy = None if forecast is None else ForecastAutoscaler(forecast, actuator, initial)
     return LiveAutoscaler(config, url, actuator, initial, policy=policy)

@@ -10,11 +10,10 @@ it:
     decode    the event gap (one step), in two parts: per request of the batch-1 run, (tokens per
               event τ, mean gap) fitted as gap = plain + spec·(τ − 1) (a speculative step verifies
               longer drafts when more of them are kept; per sequence, see Profile.spec_token_s); then
-              the plain step's base, per-sequence and context parts of the profiled step scaled apart
-              to meet batch 1 at 128 and 768 tokens of context and batch `high_batch` (one common
-              factor when noise puts the solution outside ×0.05–20; on 2 shared cores the
-              per-sequence part comes out small: from 2 sequences a decode step borrows the idle
-              prefill worker's core)
+              the plain step fitted as base + per sequence + per context token, each ≥ 0, on batch 1
+              at 128 and 768 tokens of context and batch `high_batch` (the profiled step's parts
+              scaled by one factor when no such fit exists; on 2 shared cores the per-sequence part
+              comes out small: from 2 sequences a decode step borrows the idle prefill worker's core)
     events    tokens per streamed event τ (speculative decoding delivers several a step; 1 without
               it): the simulator's decode fit is per token, step ÷ τ, and it groups τ token gaps into
               one event gap. τ is the workload's, not the machine's: the same requests got 1.8 and
