@@ -59,7 +59,7 @@ def step_weight_bytes(model) -> int:
     """Weight bytes one decode step reads: every projection's blocks, the head whole (tied: the
     embedding matrix, of which the lookup reads one more row), the norms."""
     linears = {id(m): m for m in model.modules() if isinstance(m, QuantLinear)}
-    total = sum(m.qweight.numel() * m.qweight.element_size() for m in linears.values())
+    total = sum(m.nbytes for m in linears.values())
     norms = [model.norm.weight] + [p for layer in model.layers
                                    for p in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
     return total + sum(p.numel() * 4 for p in norms)

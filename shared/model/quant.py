@@ -7,7 +7,7 @@ activations written as two int8 digits (~16 bits, far finer than bf16), scaled b
 m. The weights are the file's, not a re-quantization of them, and every path — decode rows,
 prefill chunks, large batches — computes with the same values in the same order.
 
-    .gguf tensor            QuantLinear.qweight                      the kernel
+    .gguf tensor            QuantTensor.data                         QuantLinear (the kernel's copy)
     [N, K] Q4_1 blocks  ->  uint8 [N, K/32 * 20], codes | scales  ->  y = x @ (q*d + m)^T   (fp32 out)
 
 Types the kernel has no code for (Q6_K, F16, …) and safetensors checkpoints are held dense in fp32
@@ -116,22 +116,32 @@ class QuantTensor:
 
 
 class QuantLinear(nn.Module):
-    """y = x @ W^T with W in checkpoint blocks; x and y fp32."""
+    """y = x @ W^T with W in checkpoint blocks; x and y fp32.
+
+    The layer keeps one copy of the matrix: the kernel's (the same values, laid out for its tiles),
+    or without the extension a dense fp32 one. The rows it was made from are not kept, so a worker
+    holds its weights once."""
 
     def __init__(self, weight: QuantTensor):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.ggml_type = weight.type
-        self.register_buffer("qweight", weight.data)
         self._ext = cpu_ext.load()
         self._kernel_weight = None if self._ext is None else self._ext.Weight(weight.data, weight.type, *weight.shape)
         # the fallback (no extension): the same fp32 values, dense
         self._dense = weight.dequantize() if self._ext is None else None
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the matrix in the file's blocks (what one pass over it reads, give or take padding)."""
+        return kernel_bytes(self.ggml_type, self.out_features, self.in_features)
+
+    @property
     def weight(self) -> torch.Tensor:
         """fp32 [N, K], dequantized (a copy, for tests and code that wants it dense)."""
-        return QuantTensor(self.qweight, self.ggml_type, self.out_features, self.in_features).dequantize()
+        if self._ext is None:
+            return self._dense.clone()
+        return self.lookup(torch.arange(self.out_features))
 
     @property
     def kernel_weight(self):

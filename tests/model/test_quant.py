@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -66,6 +69,27 @@ def test_rows_are_computed_alike_in_any_batch(ggml_type):
         assert torch.equal(layer(x[i:i + 1])[0], whole[i])
     assert torch.equal(layer(x[3:10]), whole[3:10])
     assert torch.equal(layer(x[5:26]), whole[5:26])
+
+
+@needs_ext
+@pytest.mark.parametrize("ggml_type", [Q4_1, Q8_0, F32])
+@pytest.mark.parametrize("k", [64, 96, 576])
+def test_the_layer_keeps_one_copy_and_reads_the_files_values_back_from_it(ggml_type, k):
+    """A layer holds only the kernel's copy of its matrix: the rows it was made from are freed
+    (F32 excepted: they are the kernel's copy), and its dense weight and its lookups (the embedding)
+    give the file's values back from that copy, bit for bit: 70 rows (a last group of 2 columns)
+    and block counts of 2, 3 (padded) and 18."""
+    w = weights(70, k, seed=k + 1)
+    t = QuantTensor.dense(torch.from_numpy(w)) if ggml_type == F32 else file_blocks(w, ggml_type)
+    expected = t.dequantize()
+    rows = weakref.ref(t.data)
+    layer = QuantLinear(t)
+    del t
+    gc.collect()
+    assert (rows() is None) == (ggml_type != F32)
+    assert torch.equal(layer.weight, expected)
+    ids = torch.tensor([69, 0, 5, 69, 33, 66])
+    assert torch.equal(layer.lookup(ids), expected[ids])
 
 
 needs_amx = pytest.mark.skipif(cpu_ext.load() is None or not cpu_ext.load().amx_available(),

@@ -83,11 +83,17 @@ QuantWeight as_weight(const torch::Tensor& t, int64_t type, int64_t n, int64_t k
 
 }  // namespace
 
-// A weight matrix in checkpoint blocks; keeps its tensor alive.
+// A weight matrix in checkpoint blocks. Q4_1 and Q8_0 keep only the kernels' copy (make_weight's
+// groups: the same values), so the rows they were made from can be freed; F32 keeps its tensor.
 struct Weight {
   torch::Tensor tensor;
   QuantWeight w;
-  Weight(torch::Tensor t, int64_t type, int64_t n, int64_t k) : tensor(std::move(t)), w(as_weight(tensor, type, n, k)) {}
+  Weight(torch::Tensor t, int64_t type, int64_t n, int64_t k) : tensor(std::move(t)), w(as_weight(tensor, type, n, k)) {
+    if (w.type != kF32) {
+      tensor = torch::Tensor();
+      w.data = nullptr;
+    }
+  }
 };
 
 // x [M, K] fp32 -> [M, N] fp32, rows prepared and columns split across the OpenMP team
@@ -573,8 +579,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<torch::Tensor, int64_t, int64_t, int64_t>(), py::arg("tensor"), py::arg("type"), py::arg("n"), py::arg("k"))
       .def_property_readonly("n", [](const Weight& w) { return w.w.n; })
       .def_property_readonly("k", [](const Weight& w) { return w.w.k; })
-      .def_property_readonly("type", [](const Weight& w) { return w.w.type; })
-      .def_property_readonly("tensor", [](const Weight& w) { return w.tensor; });
+      .def_property_readonly("type", [](const Weight& w) { return w.w.type; });
   m.def("matmul", &matmul, "x [M, K] fp32 @ weight^T -> [M, N] fp32", py::call_guard<py::gil_scoped_release>());
   m.def("embed", &embed, "rows of a weight, dequantized to fp32");
   m.def("amx_available", &amx_available, "whether the CPU and the OS allow AMX (and PDSERVE_AMX is not 0)");

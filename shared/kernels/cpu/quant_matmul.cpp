@@ -529,25 +529,32 @@ void matmul_cols(const QuantWeight& w, const PreparedX& px, float* y, int64_t ld
 }
 
 void dequantize_rows(const QuantWeight& w, const int64_t* ids, int64_t T, float* out) {
+  const int64_t nq = quads(w.nb), qbytes = w.type == kF32 ? 0 : quad_bytes(w.type);
   for (int64_t t = 0; t < T; t++) {
-    const uint8_t* row = w.data + ids[t] * w.row_bytes;
+    const int64_t c = ids[t];
     float* o = out + t * w.k;
     if (w.type == kF32) {
-      std::copy(reinterpret_cast<const float*>(row), reinterpret_cast<const float*>(row) + w.k, o);
+      const float* row = reinterpret_cast<const float*>(w.data + c * w.row_bytes);
+      std::copy(row, row + w.k, o);
       continue;
     }
+    // column c of its group: in quad q, block g's codes at (c % 4) * 4 + g code slots, d (and m) at lane g * 4 + c % 4
+    const uint8_t* group = w.groups->data() + c / 4 * nq * qbytes;
     for (int64_t b = 0; b < w.k / 32; b++) {
+      const uint8_t* quad = group + b / 4 * qbytes;
+      const int64_t g = b % 4, lane = g * 4 + c % 4;
       if (w.type == kQ4_1) {
-        const uint16_t* dm = reinterpret_cast<const uint16_t*>(row + w.nb * 16);
-        const float d = _cvtsh_ss(dm[b]), mn = _cvtsh_ss(dm[w.nb + b]);
+        const uint8_t* codes = quad + (c % 4 * 4 + g) * 16;
+        const uint16_t* dm = reinterpret_cast<const uint16_t*>(quad + 16 * 16);
+        const float d = _cvtsh_ss(dm[lane]), mn = _cvtsh_ss(dm[16 + lane]);
         for (int j = 0; j < 16; j++) {
-          const uint8_t c = row[b * 16 + j];
-          o[b * 32 + j] = std::fma(static_cast<float>(c & 15), d, mn);
-          o[b * 32 + j + 16] = std::fma(static_cast<float>(c >> 4), d, mn);
+          o[b * 32 + j] = std::fma(static_cast<float>(codes[j] & 15), d, mn);
+          o[b * 32 + j + 16] = std::fma(static_cast<float>(codes[j] >> 4), d, mn);
         }
       } else {
-        const float d = _cvtsh_ss(reinterpret_cast<const uint16_t*>(row + w.nb * 32)[b]);
-        for (int j = 0; j < 32; j++) o[b * 32 + j] = static_cast<float>(static_cast<int>(row[b * 32 + j]) - 128) * d;
+        const uint8_t* codes = quad + (c % 4 * 4 + g) * 32;
+        const float d = _cvtsh_ss(reinterpret_cast<const uint16_t*>(quad + 16 * 32)[lane]);
+        for (int j = 0; j < 32; j++) o[b * 32 + j] = static_cast<float>(static_cast<int>(codes[j]) - 128) * d;
       }
     }
   }

@@ -56,7 +56,7 @@ using avector = std::vector<T, Aligned64<T>>;
 enum WeightType : int { kF32 = 0, kQ4_1 = 3, kQ8_0 = 8 };  // ggml type ids
 
 struct QuantWeight {
-  const uint8_t* data = nullptr;  // n rows of row_bytes each
+  const uint8_t* data = nullptr;  // n rows of row_bytes each (Q4_1/Q8_0: read only by make_weight)
   int64_t n = 0, k = 0;           // out features, in features (k % 32 == 0)
   int64_t nb = 0;                 // blocks per row, padded to even
   int64_t row_bytes = 0;
@@ -100,7 +100,7 @@ void prepare_rows(PreparedX& p, int64_t m0, int64_t m1);
 void matmul_cols(const QuantWeight& w, const PreparedX& x, float* y, int64_t ldy, int64_t n0, int64_t n1,
                  int64_t m0 = 0, int64_t m1 = -1);
 
-// out[t, :] = row ids[t] of w, dequantized (the embedding lookup of a tied head).
+// out[t, :] = row ids[t] of w, dequantized (the embedding lookup of a tied head), from the groups.
 void dequantize_rows(const QuantWeight& w, const int64_t* ids, int64_t T, float* out);
 
 }  // namespace pdserve
