@@ -27,7 +27,9 @@ VARIANTS: dict[str, dict] = {
     "logprobs-0": {"temperature": 0.0, "logprobs": 0},  # the sampled token's only
     "logprobs-5": {"temperature": 0.0, "logprobs": 5},
     "logprobs-20": {"temperature": 0.0, "logprobs": 20},
-    "sampled": {"temperature": 0.8, "top_p": 0.95, "seed": 1},  # for scale: seeded top-p sampling
+    "sampled": {"temperature": 0.8, "top_p": 0.95, "seed": 1},  # seeded top-p sampling
+    "temperature": {"temperature": 0.8},  # the whole vocabulary
+    "top-k": {"temperature": 0.8, "top_k": 40},
     "json-schema": {"temperature": 0.0, "constraint": Constraint("json", json.dumps({
         "type": "array", "minItems": 40, "items": {
             "type": "object", "required": ["name", "age"], "additionalProperties": False,

@@ -94,6 +94,93 @@ def test_min_p_keeps_only_tokens_near_the_most_likely():
     assert drawn == {0, 1}
 
 
+def defined_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a row is drawn from, by the definitions, with a sort of the whole row:
+    temperature, top-k (the k most likely), top-p (a token is dropped when the mass before it, among
+    those top-k kept, already reaches top_p), min-p (of what is left), normalized."""
+    x = row.double() / p.temperature
+    keep = torch.ones_like(x, dtype=torch.bool)
+    order = torch.sort(x, descending=True).indices
+    if 0 < p.top_k < len(x):
+        keep[order[p.top_k:]] = False
+    probs = torch.where(keep, x, float("-inf")).softmax(-1)
+    sorted_p = probs[order]
+    before = sorted_p.cumsum(-1) - sorted_p
+    keep[order[before >= p.top_p]] = False
+    probs = torch.where(keep, probs, 0.0)
+    probs = torch.where(probs < p.min_p * probs.max(), 0.0, probs)
+    return probs / probs.sum()
+
+
+def chi2_within(counts: torch.Tensor, probs: torch.Tensor, n: int) -> tuple[float, float]:
+    """Pearson's chi-square of counts against n * probs (expected counts under 5 pooled into one
+    cell) and its 99.9% quantile (Wilson–Hilferty)."""
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big].double(), counts[~big].sum(0, keepdim=True).double()])
+    exp = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
+    obs, exp = (obs, exp) if exp[-1] > 0 else (obs[:-1], exp[:-1])
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    df = len(exp) - 1
+    return chi2, df * (1 - 2 / (9 * df) + 3.09 * math.sqrt(2 / (9 * df))) ** 3
+
+
+DRAW_CASES = [
+    SamplingParams(temperature=1.0),                              # the whole vocabulary, in blocks
+    SamplingParams(temperature=0.6),
+    SamplingParams(temperature=1.3, top_k=7),
+    SamplingParams(temperature=1.0, top_p=0.8),                   # 64 candidates do not hold 0.8: 512, then all
+    SamplingParams(temperature=0.4, top_p=0.9),                   # peaked: the first 64 hold it
+    SamplingParams(temperature=1.0, top_k=40, top_p=0.5),
+    SamplingParams(temperature=1.0, min_p=0.3),
+    SamplingParams(temperature=0.8, top_k=300, top_p=0.95, min_p=0.02),
+]
+
+
+def test_draws_follow_the_defined_distribution():
+    """Every way of narrowing the vocabulary, all in one batch (each row's draw is its own): 4,000
+    draws of each case over a 600-token vocabulary (3 blocks of the whole-vocabulary walk, the last
+    one short) are distributed as `defined_probs` says, and never a token it gives no probability."""
+    g = torch.Generator().manual_seed(11)
+    V, n, batch = 600, 4000, 400
+    rows = torch.randn(len(DRAW_CASES), V, generator=g) * 2.5
+    want = [defined_probs(rows[i], p) for i, p in enumerate(DRAW_CASES)]
+    counts = torch.zeros(len(DRAW_CASES), V)
+    for start in range(0, n, batch // len(DRAW_CASES)):
+        per = batch // len(DRAW_CASES)
+        params = [p for p in DRAW_CASES for _ in range(per)]
+        logits = rows.repeat_interleave(per, dim=0)
+        tokens, _ = sample(logits, params, [start] * len(params))
+        for j, t in enumerate(tokens):
+            counts[j // per, t] += 1
+    assert counts.sum() == len(DRAW_CASES) * n
+    for case, (c, probs) in enumerate(zip(counts, want)):
+        assert c[probs == 0].sum() == 0, f"case {case}: drew a token of zero probability"
+        chi2, limit = chi2_within(c, probs, n)
+        assert chi2 < limit, f"case {case} {DRAW_CASES[case]}: chi2 {chi2:.1f} over the 99.9% quantile {limit:.1f}"
+
+
+def test_a_seeded_draw_depends_on_its_row_alone():
+    """At the model's vocabulary size (49,152: 192 blocks), a seeded row draws the same token alone and
+    in a batch with greedy, unseeded and differently narrowed rows, and again at the same position;
+    other positions draw other tokens."""
+    g = torch.Generator().manual_seed(12)
+    V = 49152
+    logits = torch.randn(6, V, generator=g) * 3
+    params = [SamplingParams(temperature=0.9, seed=7), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=8), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.7, top_k=50, seed=9), SamplingParams(temperature=1.2, min_p=0.1, seed=10)]
+    positions = [3, 0, 5, 1, 2, 9]
+    batched, _ = sample(logits.clone(), params, positions)
+    for i, p in enumerate(params):
+        if p.seed is None:
+            continue
+        alone = [sample(logits[i:i + 1].clone(), [p], [positions[i]])[0][0] for _ in range(2)]
+        assert alone == [batched[i]] * 2, i
+    elsewhere = {sample(logits[:1].clone(), params[:1], [pos])[0][0] for pos in range(20)}
+    assert len(elsewhere) > 10
+
+
 def test_invalid_values_are_rejected_with_their_name():
     for kwargs, name in (({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
                          ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"logit_bias": {1: 101.0}}, "logit_bias"),
