@@ -4,6 +4,7 @@ speculation on and off."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from shared.config import EngineConfig, SpecConfig
 from shared.engine.engine import LLMEngine
-from shared.model.sampling import sample
+from shared.model.sampling import TOP_P_CANDIDATES, sample
 from shared.model.sampling_params import History, SamplingParams
 from tests.engine.test_engine import assert_all_blocks_released, run_checked
 from tests.model_utils import tiny_model
@@ -129,7 +130,8 @@ DRAW_CASES = [
     SamplingParams(temperature=1.0),                              # the whole vocabulary, in blocks
     SamplingParams(temperature=0.6),
     SamplingParams(temperature=1.3, top_k=7),
-    SamplingParams(temperature=1.0, top_p=0.8),                   # 64 candidates do not hold 0.8: 512, then all
+    SamplingParams(temperature=2.0, top_p=0.9),                   # flat: keeps more than 64 tokens
+    SamplingParams(temperature=2.0, top_p=0.999),                 # flatter: more than 512, so all 600 are looked at
     SamplingParams(temperature=0.4, top_p=0.9),                   # peaked: the first 64 hold it
     SamplingParams(temperature=1.0, top_k=40, top_p=0.5),
     SamplingParams(temperature=1.0, min_p=0.3),
@@ -139,21 +141,24 @@ DRAW_CASES = [
 
 def test_draws_follow_the_defined_distribution():
     """Every way of narrowing the vocabulary, all in one batch (each row's draw is its own): 4,000
-    draws of each case over a 600-token vocabulary (3 blocks of the whole-vocabulary walk, the last
-    one short) are distributed as `defined_probs` says, and never a token it gives no probability."""
+    seeded draws of each case over a 600-token vocabulary (3 blocks of the whole-vocabulary walk, the
+    last one short) are distributed as `defined_probs` says, and never a token it gives no
+    probability. Seeded, so the test's outcome is fixed."""
     g = torch.Generator().manual_seed(11)
-    V, n, batch = 600, 4000, 400
-    rows = torch.randn(len(DRAW_CASES), V, generator=g) * 2.5
+    V, n, per = 600, 4000, 50
+    cases = len(DRAW_CASES)
+    rows = torch.randn(cases, V, generator=g) * 2.5
     want = [defined_probs(rows[i], p) for i, p in enumerate(DRAW_CASES)]
-    counts = torch.zeros(len(DRAW_CASES), V)
-    for start in range(0, n, batch // len(DRAW_CASES)):
-        per = batch // len(DRAW_CASES)
-        params = [p for p in DRAW_CASES for _ in range(per)]
-        logits = rows.repeat_interleave(per, dim=0)
-        tokens, _ = sample(logits, params, [start] * len(params))
+    kept = [int((w > 0).sum()) for w in want]
+    assert kept[3] > TOP_P_CANDIDATES and kept[4] > 8 * TOP_P_CANDIDATES and kept[5] <= TOP_P_CANDIDATES, kept
+    counts = torch.zeros(cases, V)
+    logits = rows.repeat_interleave(per, dim=0)
+    for start in range(0, n, per):
+        params = [dataclasses.replace(p, seed=c) for c, p in enumerate(DRAW_CASES) for _ in range(per)]
+        tokens, _ = sample(logits.clone(), params, [start + j % per for j in range(cases * per)])
         for j, t in enumerate(tokens):
             counts[j // per, t] += 1
-    assert counts.sum() == len(DRAW_CASES) * n
+    assert counts.sum() == cases * n
     for case, (c, probs) in enumerate(zip(counts, want)):
         assert c[probs == 0].sum() == 0, f"case {case}: drew a token of zero probability"
         chi2, limit = chi2_within(c, probs, n)
