@@ -7,7 +7,7 @@ for each token in the output). Log-probabilities are those of the processed logi
 temperature (1 when greedy), before top-k, top-p and min-p. Then: greedy (argmax) when temperature
 is 0; otherwise temperature → top-k → top-p → min-p → a draw. A draw inverts the distribution
 function at one uniform number (torch's `multinomial` and `exponential_` cost ~1.1 ms a row of
-49,152 here; this costs ~0.1 ms), and every row of a batch is drawn at once. A seeded request
+49,152 here; this costs 0.04–0.25 ms a row), and every row of a batch is drawn at once. A seeded request
 draws output token i from a generator seeded with (seed, i), so its tokens are reproducible whatever
 it is batched with, and wherever token i is sampled: a prefill worker samples token 0 and a decode
 worker the rest, or a migrated request resumes on another worker, and the stream is the same.
