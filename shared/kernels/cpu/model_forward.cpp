@@ -9,7 +9,10 @@
 //   -> gate|up -> silu*mul -> down + residual -> final rmsnorm -> head (the rows asked for)
 //
 // Activations are fp32; weights are the checkpoint's blocks (quant_matmul.h); the KV cache is
-// fp32, bf16 or fp16. A row is one token: every result of a row is computed by the same
+// fp32, bf16 or fp16. With a bf16 cache on a CPU with AVX512_BF16, the attention scores multiply
+// the query rounded to bf16 by the keys as they are stored, two products a lane per instruction
+// (vdpbf16ps): 8% faster prefill of 2,000 tokens and ~10% faster decode at that context, for a
+// mean KL of 0.000056 instead of 0.000033 nats against the fp32 evaluation. A row is one token: every result of a row is computed by the same
 // operations in the same order whatever else is in the call (no reduction crosses rows; a
 // prefill row attends exactly as a decode step at its position would), so a sequence's tokens do
 // not depend on its batch, on how its prompt was chunked, or on which of its blocks were cached.
@@ -433,6 +436,54 @@ class DecodeModel {
     }
   }
 
+#if defined(__AVX512BF16__)
+  // kp[i2][t] = the pair (k_t[2 i2], k_t[2 i2 + 1]) of bf16 keys as one 32-bit lane, m <= 16 positions
+  void transpose_key_pairs(const c10::BFloat16* const* k, int64_t m, float* kp) const {
+    vf r[16];
+    for (int64_t i0 = 0; i0 < dh_; i0 += 32) {
+      for (int64_t j = 0; j < 16; j++) r[j] = j < m ? load(reinterpret_cast<const float*>(k[j] + i0)) : zero();
+      transpose16(r);
+      for (int64_t d = 0; d < 16; d++) store(kp + (i0 / 2 + d) * kPosChunk, r[d]);
+    }
+  }
+
+  // scores with the query rounded to bf16: each lane accumulates (q_2i k_2i + q_2i+1 k_2i+1) per
+  // pair, i in order (vdpbf16ps: two products a lane per instruction)
+  template <int NG>
+  void scores_bf16(const uint32_t* qp, const float* kp, int64_t n, float scale, float* s) const {
+    const int64_t D2 = dh_ / 2;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    int64_t tb = 0;
+    for (; tb + 16 < n; tb += 32) {
+      __m512 a0[NG], a1[NG];
+      for (int g = 0; g < NG; g++) a0[g] = a1[g] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < D2; i++) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_ps(kp + i * kPosChunk + tb);
+        const __m512bh k1 = (__m512bh)_mm512_loadu_ps(kp + i * kPosChunk + tb + 16);
+        for (int g = 0; g < NG; g++) {
+          const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[g * D2 + i]));
+          a0[g] = _mm512_dpbf16_ps(a0[g], qb, k0);
+          a1[g] = _mm512_dpbf16_ps(a1[g], qb, k1);
+        }
+      }
+      for (int g = 0; g < NG; g++) {
+        _mm512_storeu_ps(s + g * kPosChunk + tb, _mm512_mul_ps(a0[g], vscale));
+        _mm512_storeu_ps(s + g * kPosChunk + tb + 16, _mm512_mul_ps(a1[g], vscale));
+      }
+    }
+    if (tb < n) {
+      __m512 a0[NG];
+      for (int g = 0; g < NG; g++) a0[g] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < D2; i++) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_ps(kp + i * kPosChunk + tb);
+        for (int g = 0; g < NG; g++)
+          a0[g] = _mm512_dpbf16_ps(a0[g], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[g * D2 + i])), k0);
+      }
+      for (int g = 0; g < NG; g++) _mm512_storeu_ps(s + g * kPosChunk + tb, _mm512_mul_ps(a0[g], vscale));
+    }
+  }
+#endif
+
   // One work item: the partials (max, sum, unnormalised o per query head) of its rows over its
   // positions. The item's keys are gathered once, transposed to fp32 (kt[i][t]), and its values
   // widened (vals[t][i]); then each row, alone:
@@ -469,6 +520,14 @@ class DecodeModel {
         k[j] = layer_cache + table[p / bs] * s_block + (p % bs) * kv_size + un.h * Dh;
         for (int64_t i = 0; i < Dh; i += 16) store(vals + (tb + j) * Dh + i, load16(k[j] + s_kv + i));
       }
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (Dh % 32 == 0) {
+          transpose_key_pairs(k, m, kt + tb);
+          continue;
+        }
+      }
+#endif
       transpose_keys(k, m, kt + tb);
     }
     for (int64_t r = un.r0; r < un.r1; r++) {
@@ -479,7 +538,30 @@ class DecodeModel {
       const float* sn = sinp + pos[r] * (Dh / 2);
       for (int64_t g = 0; g < G; g++) rotate(row + (un.h * G + g) * Dh, c, sn, qrot + g * Dh, Dh);
       float* pr = parts + (first[r * hkv_ + un.h] + un.t0 / kPosChunk) * part;
-      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      bool done = false;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (Dh % 32 == 0) {  // the query as bf16 pairs, rounded to nearest even
+          uint32_t qp[16 * 128];
+          for (int64_t g = 0; g < G; g++)
+            for (int64_t i = 0; i < Dh / 2; i++)
+              qp[g * (Dh / 2) + i] = static_cast<uint32_t>(c10::BFloat16(qrot[g * Dh + 2 * i]).x) |
+                                     (static_cast<uint32_t>(c10::BFloat16(qrot[g * Dh + 2 * i + 1]).x) << 16);
+          for (int64_t g0 = 0; g0 < G; g0 += 4) {
+            const uint32_t* q = qp + g0 * (Dh / 2);
+            float* so = scores_buf + g0 * kPosChunk;
+            switch (std::min<int64_t>(4, G - g0)) {
+              case 1: scores_bf16<1>(q, kt, n, scale, so); break;
+              case 2: scores_bf16<2>(q, kt, n, scale, so); break;
+              case 3: scores_bf16<3>(q, kt, n, scale, so); break;
+              default: scores_bf16<4>(q, kt, n, scale, so); break;
+            }
+          }
+          done = true;
+        }
+      }
+#endif
+      for (int64_t g0 = 0; g0 < G && !done; g0 += 4) {
         switch (std::min<int64_t>(4, G - g0)) {
           case 1: scores<1>(qrot + g0 * Dh, kt, n, scale, scores_buf + g0 * kPosChunk); break;
           case 2: scores<2>(qrot + g0 * Dh, kt, n, scale, scores_buf + g0 * kPosChunk); break;
