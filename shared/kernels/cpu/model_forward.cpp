@@ -12,7 +12,9 @@
 // fp32, bf16 or fp16. With a bf16 cache on a CPU with AVX512_BF16, the attention scores multiply
 // the query rounded to bf16 by the keys as they are stored, two products a lane per instruction
 // (vdpbf16ps): 8% faster prefill of 2,000 tokens and ~10% faster decode at that context, for a
-// mean KL of 0.000056 instead of 0.000033 nats against the fp32 evaluation. A row is one token: every result of a row is computed by the same
+// mean KL of 0.000056 instead of 0.000033 nats against the fp32 evaluation.
+//
+// A row is one token: every result of a row is computed by the same
 // operations in the same order whatever else is in the call (no reduction crosses rows; a
 // prefill row attends exactly as a decode step at its position would), so a sequence's tokens do
 // not depend on its batch, on how its prompt was chunked, or on which of its blocks were cached.
@@ -485,7 +487,8 @@ class DecodeModel {
 #endif
 
   // One work item: the partials (max, sum, unnormalised o per query head) of its rows over its
-  // positions. The item's keys are gathered once, transposed to fp32 (kt[i][t]), and its values
+  // positions. The item's keys are gathered once, transposed to fp32 (kt[i][t]; with bf16 scores,
+  // left as bf16 pairs: kt[i/2][t]), and its values
   // widened (vals[t][i]); then each row, alone:
   //   scores[t] = scale * sum_i q[i] k_t[i]   (16 positions per vector, i in order)
   //   softmax numerators and their sum;  o = sum_t p_t v_t  (t in order)
