@@ -132,6 +132,8 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def _search(cdf: torch.Tensor, target: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    if not bool((cdf[:, -1] > 0).all()):  # NaN logits, or every token masked
+        raise ValueError("a row to sample has no token of positive probability (NaN or all -inf logits)")
     j = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
     # rounding can put the target at the very end: then the row's last index of nonzero probability
     last = torch.where(probs > 0, torch.arange(probs.shape[1]), -1).amax(-1)

@@ -186,6 +186,13 @@ def test_a_seeded_draw_depends_on_its_row_alone():
     assert len(elsewhere) > 10
 
 
+def test_a_row_with_no_probability_is_an_error_not_a_token():
+    for bad in (float("nan"), float("-inf")):
+        for p in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9)):
+            with pytest.raises(ValueError, match="no token of positive probability"):
+                sample(torch.full((1, V), bad), [p], [0])
+
+
 def test_invalid_values_are_rejected_with_their_name():
     for kwargs, name in (({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
                          ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"logit_bias": {1: 101.0}}, "logit_bias"),
