@@ -189,9 +189,16 @@ def test_structured_output_across_the_split_with_the_openai_client(disagg):
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model=MODEL, messages=ask, max_tokens=120, temperature=0, response_format=fmt, stream=True) if c.choices)
     assert streamed == text
-    seeded = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=120, temperature=1.0, seed=5,
-                                            response_format={"type": "json_object"})
-    assert isinstance(json.loads(seeded.choices[0].message.content), dict)
+    # sampled under the schema (its lengths bound the answer), and a free-form object greedily
+    seeded = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=200, temperature=1.0, seed=5,
+                                            response_format=fmt)
+    assert seeded.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(seeded.choices[0].message.content), PERSON)
+    short = [{"role": "user", "content": f"{QUESTION} Answer as a JSON object with the key \"capital\"."}]
+    free = client.chat.completions.create(model=MODEL, messages=short, max_tokens=60, temperature=0,
+                                          response_format={"type": "json_object"})
+    assert free.choices[0].finish_reason == "stop", free.choices[0].message.content
+    assert isinstance(json.loads(free.choices[0].message.content), dict)
     phone = client.completions.create(model=MODEL, prompt="Call me at", max_tokens=20, temperature=0.9, seed=2,
                                       extra_body={"guided_regex": r" [0-9]{3}-[0-9]{4}"})
     assert re.fullmatch(r" [0-9]{3}-[0-9]{4}", phone.choices[0].text)
