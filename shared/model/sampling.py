@@ -79,8 +79,9 @@ def draw(logits: torch.Tensor, params: list[SamplingParams], positions: list[int
         if p.seed is not None:
             u[i] = torch.rand((), dtype=torch.float64, generator=position_generator(p.seed, positions[i]))
     top_k = [p.top_k if 0 < p.top_k < V else 0 for p in params]
-    narrowed = [i for i, p in enumerate(params) if top_k[i] or p.top_p < 1.0]
-    full = [i for i in range(n) if not (top_k[i] or params[i].top_p < 1.0)]
+    narrows = [bool(k) or p.top_p < 1.0 for k, p in zip(top_k, params)]
+    narrowed = [i for i in range(n) if narrows[i]]
+    full = [i for i in range(n) if not narrows[i]]
     tokens = [0] * n
     if narrowed:
         _put(tokens, narrowed, _draw_among_candidates(_rows(x, narrowed), [top_k[i] for i in narrowed],

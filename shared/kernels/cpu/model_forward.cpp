@@ -439,6 +439,9 @@ class DecodeModel {
   }
 
 #if defined(__AVX512BF16__)
+  // whether a bf16 cache's keys are staged as bf16 pairs and scored by scores_bf16
+  bool key_pairs() const { return dh_ % 32 == 0; }
+
   // kp[i2][t] = the pair (k_t[2 i2], k_t[2 i2 + 1]) of bf16 keys as one 32-bit lane, m <= 16 positions
   void transpose_key_pairs(const c10::BFloat16* const* k, int64_t m, float* kp) const {
     vf r[16];
@@ -486,6 +489,43 @@ class DecodeModel {
   }
 #endif
 
+  // every query head's scores of one row over the item's staged keys (scores, or scores_bf16 where
+  // the keys were staged as bf16 pairs: see key_pairs)
+  template <typename T>
+  void row_scores(const float* qrot, const float* kt, int64_t n, float scale, float* scores_buf) const {
+    const int64_t G = hq_ / hkv_, Dh = dh_;
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (key_pairs()) {  // the query as bf16 pairs, rounded to nearest even
+        uint32_t qp[16 * 128];
+        for (int64_t g = 0; g < G; g++)
+          for (int64_t i = 0; i < Dh / 2; i++)
+            qp[g * (Dh / 2) + i] = static_cast<uint32_t>(c10::BFloat16(qrot[g * Dh + 2 * i]).x) |
+                                   (static_cast<uint32_t>(c10::BFloat16(qrot[g * Dh + 2 * i + 1]).x) << 16);
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+          const uint32_t* q = qp + g0 * (Dh / 2);
+          float* so = scores_buf + g0 * kPosChunk;
+          switch (std::min<int64_t>(4, G - g0)) {
+            case 1: scores_bf16<1>(q, kt, n, scale, so); break;
+            case 2: scores_bf16<2>(q, kt, n, scale, so); break;
+            case 3: scores_bf16<3>(q, kt, n, scale, so); break;
+            default: scores_bf16<4>(q, kt, n, scale, so); break;
+          }
+        }
+        return;
+      }
+    }
+#endif
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      switch (std::min<int64_t>(4, G - g0)) {
+        case 1: scores<1>(qrot + g0 * Dh, kt, n, scale, scores_buf + g0 * kPosChunk); break;
+        case 2: scores<2>(qrot + g0 * Dh, kt, n, scale, scores_buf + g0 * kPosChunk); break;
+        case 3: scores<3>(qrot + g0 * Dh, kt, n, scale, scores_buf + g0 * kPosChunk); break;
+        default: scores<4>(qrot + g0 * Dh, kt, n, scale, scores_buf + g0 * kPosChunk); break;
+      }
+    }
+  }
+
   // One work item: the partials (max, sum, unnormalised o per query head) of its rows over its
   // positions. The item's keys are gathered once, transposed to fp32 (kt[i][t]; with bf16 scores,
   // left as bf16 pairs: kt[i/2][t]), and its values
@@ -525,7 +565,7 @@ class DecodeModel {
       }
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (Dh % 32 == 0) {
+        if (key_pairs()) {
           transpose_key_pairs(k, m, kt + tb);
           continue;
         }
@@ -541,37 +581,7 @@ class DecodeModel {
       const float* sn = sinp + pos[r] * (Dh / 2);
       for (int64_t g = 0; g < G; g++) rotate(row + (un.h * G + g) * Dh, c, sn, qrot + g * Dh, Dh);
       float* pr = parts + (first[r * hkv_ + un.h] + un.t0 / kPosChunk) * part;
-      bool done = false;
-#if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (Dh % 32 == 0) {  // the query as bf16 pairs, rounded to nearest even
-          uint32_t qp[16 * 128];
-          for (int64_t g = 0; g < G; g++)
-            for (int64_t i = 0; i < Dh / 2; i++)
-              qp[g * (Dh / 2) + i] = static_cast<uint32_t>(c10::BFloat16(qrot[g * Dh + 2 * i]).x) |
-                                     (static_cast<uint32_t>(c10::BFloat16(qrot[g * Dh + 2 * i + 1]).x) << 16);
-          for (int64_t g0 = 0; g0 < G; g0 += 4) {
-            const uint32_t* q = qp + g0 * (Dh / 2);
-            float* so = scores_buf + g0 * kPosChunk;
-            switch (std::min<int64_t>(4, G - g0)) {
-              case 1: scores_bf16<1>(q, kt, n, scale, so); break;
-              case 2: scores_bf16<2>(q, kt, n, scale, so); break;
-              case 3: scores_bf16<3>(q, kt, n, scale, so); break;
-              default: scores_bf16<4>(q, kt, n, scale, so); break;
-            }
-          }
-          done = true;
-        }
-      }
-#endif
-      for (int64_t g0 = 0; g0 < G && !done; g0 += 4) {
-        switch (std::min<int64_t>(4, G - g0)) {
-          case 1: scores<1>(qrot + g0 * Dh, kt, n, scale, scores_buf + g0 * kPosChunk); break;
-          case 2: scores<2>(qrot + g0 * Dh, kt, n, scale, scores_buf + g0 * kPosChunk); break;
-          case 3: scores<3>(qrot + g0 * Dh, kt, n, scale, scores_buf + g0 * kPosChunk); break;
-          default: scores<4>(qrot + g0 * Dh, kt, n, scale, scores_buf + g0 * kPosChunk); break;
-        }
-      }
+      row_scores<T>(qrot, kt, n, scale, scores_buf);
       for (int64_t g = 0; g < G; g++) {
         float* sg = scores_buf + g * kPosChunk;
         vf vmx = set1(-INFINITY);
