@@ -12,12 +12,13 @@ from tests.model_utils import contiguous_greedy, tiny_model
 
 
 def paged_greedy(model, prompts: list[list[int]], max_new: int, chunk: int | None = None, num_blocks: int = 64,
-                 forced: list[list[int]] | None = None):
+                 forced: list[list[int]] | None = None, kv_dtype: torch.dtype | None = None):
     """Generate for all prompts in one batch: every step runs one forward over all sequences.
     Prompts are fed `chunk` tokens at a time (mixed with other sequences' decode tokens). With
-    `forced`, those tokens are fed back instead of the argmax (teacher forcing)."""
+    `forced`, those tokens are fed back instead of the argmax (teacher forcing). The cache holds
+    `kv_dtype` (default: the model's)."""
     bs = 16
-    kv = KVCache(model.config, num_blocks, bs, dtype=next(model.parameters()).dtype)
+    kv = KVCache(model.config, num_blocks, bs, dtype=kv_dtype or next(model.parameters()).dtype)
     runner = ModelRunner(model, kv)
     # scatter blocks: sequence i gets every len(prompts)-th block, in reverse, so nothing is contiguous
     free = list(range(num_blocks))[::-1]
@@ -127,3 +128,24 @@ def test_fused_forward_matches_the_torch_path(ggml_type):
     chunked = paged_greedy(model, prompts, max_new=8, chunk=3)[1]
     for a, b, c in zip(alone, batched, chunked):
         assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a, b, c))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fused_attention_is_the_same_for_a_row_alone_and_rows_together_across_work_items(kv_dtype):
+    """The real model's attention shape (head size 64, 3 query heads per kv head; with a bf16 cache,
+    bf16 dot products for the scores where the CPU has them) over prompts longer than two
+    256-position work items: the logits of a prompt's last row are bit for bit the same when it is
+    one of a whole prompt's rows (sharing the items' staged keys and values), when every prompt token
+    is fed alone (as decode rows are) and when fed 5 at a time; so are the decode steps after it."""
+    from shared.kernels import cpu_ext
+    from tests.model_utils import blocks_model
+
+    if cpu_ext.load() is None:
+        pytest.skip("the CPU extension needs AVX2 (or AVX-512)")
+    model = blocks_model(tiny_model(seed=6, hidden_size=192, num_heads=3, num_kv_heads=1, head_dim=64,
+                                    max_model_len=1024), 3)
+    prompts = _prompts(model.config.vocab_size, [530, 300], seed=3)
+    runs = [paged_greedy(model, prompts, max_new=4, chunk=c, num_blocks=64, kv_dtype=kv_dtype) for c in (None, 1, 5)]
+    for tokens, logits in runs[1:]:
+        assert tokens == runs[0][0]
+        assert all(torch.equal(a, b) for seq_a, seq_b in zip(runs[0][1], logits) for a, b in zip(seq_a, seq_b))
