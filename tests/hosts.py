@@ -26,7 +26,13 @@ import threading
 import time
 from pathlib import Path
 
-from shared.transport.servers import die_with_parent, nats_server_binary, valkey_server_binary, wait_for_port
+from shared.transport.servers import (
+    die_with_parent,
+    nats_cluster_conf,
+    nats_server_binary,
+    valkey_server_binary,
+    wait_for_port,
+)
 
 
 def _ip(*args: str) -> None:
@@ -109,8 +115,9 @@ class PlayedHosts:
         store = self.workdir / f"nats-{i}"
         store.mkdir(parents=True, exist_ok=True)
         argv = [nats_server_binary(), "-js", "-a", self.addr(i), "-p", "4222", "-sd", str(store), "--server_name", f"nats-{i}"]
-        if nodes > 1:
-            argv += ["--cluster_name", "pdserve", "--cluster", f"nats://{self.addr(i)}:6222", "--routes", routes]
+        if nodes > 1:  # the product's route liveness (start_nats_cluster's), so a healed link carries messages again
+            argv += ["-c", str(nats_cluster_conf(self.workdir / f"nats-{i}.conf")),
+                     "--cluster_name", "pdserve", "--cluster", f"nats://{self.addr(i)}:6222", "--routes", routes]
         proc = self.run(i, f"nats-{i}", argv)
         wait_for_port(4222, proc=proc, host=self.addr(i))
         return proc

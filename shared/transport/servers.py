@@ -179,6 +179,25 @@ def start_nats(port: int | None = None, workdir: str | Path | None = None, *, us
     return ServerProcess("nats", port, proc, workdir, args)
 
 
+# Route liveness in a NATS cluster. nats-server's defaults (a ping every 2 min, 2 unanswered) keep
+# a route open through a network partition, its TCP connection in exponential retransmission
+# backoff; after the heal the messages on it wait out that backoff. In the 3-host test a healed
+# host's decode worker took jobs (JetStream reached it over another route) while its token events
+# reached no gateway for 20 s: the requests timed out (504). With a ping every 2 s and 3 unanswered,
+# a silent route is closed after ~6-8 s and, being explicit, solicited again every second; the
+# healed link's routes are new connections within a second of the heal. (JetStream's leaders then
+# re-elect, 5-10 s, which the services ride out by retrying.) Clients ping the server themselves
+# (nats_bus.PING_INTERVAL_S). deploy/k8s/base/nats.conf sets the same two lines.
+NATS_ROUTE_LIVENESS = 'ping_interval: "2s"\nping_max: 3\n'
+
+
+def nats_cluster_conf(path: Path) -> Path:
+    """A config file of NATS_ROUTE_LIVENESS (nats-server has no flags for it; the other settings
+    stay flags, which override a config file)."""
+    path.write_text(NATS_ROUTE_LIVENESS)
+    return path
+
+
 def start_nats_cluster(size: int = 3, workdir: str | Path | None = None, *, user: str | None = None,
                        password: str | None = None, token: str | None = None) -> list[ServerProcess]:
     """`size` nats-server nodes on this machine, one JetStream cluster (`nats-0` … on free ports,
@@ -194,7 +213,8 @@ def start_nats_cluster(size: int = 3, workdir: str | Path | None = None, *, user
         for i in range(size):
             node_dir = workdir / f"nats-{i}"
             node_dir.mkdir(parents=True, exist_ok=True)
-            args = [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(ports[i]), "-sd", str(node_dir / "jetstream"),
+            args = [nats_server_binary(), "-c", str(nats_cluster_conf(node_dir / "cluster.conf")),
+                    "-js", "-a", "127.0.0.1", "-p", str(ports[i]), "-sd", str(node_dir / "jetstream"),
                     "--server_name", f"nats-{i}", "--cluster_name", "pdserve",
                     "--cluster", f"nats://127.0.0.1:{routes[i]}",
                     "--routes", ",".join(f"nats://127.0.0.1:{r}" for j, r in enumerate(routes) if j != i)]

@@ -228,6 +228,8 @@ def test_probes_on_the_health_endpoints(k8s):
 
 
 def test_nats_is_a_three_server_jetstream_cluster(k8s):
+    from shared.transport.servers import NATS_ROUTE_LIVENESS, nats_server_binary
+
     nats = k8s.get("StatefulSet", "nats")
     assert nats["spec"]["replicas"] == 3
     headless = k8s.get("Service", nats["spec"]["serviceName"])
@@ -235,6 +237,7 @@ def test_nats_is_a_three_server_jetstream_cluster(k8s):
     (volume,) = [v for v in pod(nats)["volumes"] if "configMap" in v]
     conf = k8s.get("ConfigMap", volume["configMap"]["name"])["data"]["nats.conf"]
     assert re.search(r"^jetstream\s*\{", conf, re.M) and re.search(r"^cluster\s*\{", conf, re.M)
+    assert NATS_ROUTE_LIVENESS in conf  # the routes' liveness, as pdserve's own clusters'
     cluster_port = re.search(r"^\s+port:\s*(\d+)", conf[conf.index("cluster"):], re.M).group(1)
     routes = re.findall(r"nats://(\S+):(\d+)", conf)
     assert sorted(routes) == [(f"nats-{i}.{headless['metadata']['name']}", cluster_port) for i in range(3)]
@@ -243,8 +246,7 @@ def test_nats_is_a_three_server_jetstream_cluster(k8s):
     mounts = {m["name"]: m["mountPath"] for m in k8s.container("nats", "nats")["volumeMounts"]}
     assert mounts[claim["metadata"]["name"]] == store_dir
 
-    from shared.transport.servers import nats_server_binary  # the real server checks the file
-
+    # the real server checks the file
     path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-test-nats-{os.getpid()}.conf"
     path.write_text(conf)
     try:
