@@ -208,10 +208,10 @@ class DecodeModel {
   }
 
  private:
-  // attention work item: rows [r0, r1) of one sequence (consecutive positions), one kv head, and the
-  // cache positions [t0, t0 + kPosChunk) — for each row, those of them up to its own position
+  // attention work item: rows [r0, r1) of one sequence (consecutive positions), kv heads [h0, h1),
+  // and the cache positions [t0, t0 + kPosChunk) — for each row, those of them up to its own position
   struct Unit {
-    int64_t r0, r1, h, t0;
+    int64_t r0, r1, h0, h1, t0;
   };
 
   template <typename T>
@@ -241,13 +241,19 @@ class DecodeModel {
     }
     first[NT * hkv_] = P;
     const int64_t part = G * (Dh + 2);  // per partial: G x (max, sum, o[Dh])
-    // work items: blocks of up to kUnitRows rows of one sequence, which share the positions they read
+    // work items: blocks of up to kUnitRows rows of one sequence, which share the positions they read;
+    // every kv head of a chunk in one item (a position's heads are adjacent in the cache: the item
+    // reads each block's keys and values as two runs) unless the rows have fewer chunks than there
+    // are threads (then one item a head, so short contexts still spread over the team). The numbers
+    // are the same either way: each (row, head, chunk) partial is computed alike.
+    const int nthreads = at::get_num_threads();
     std::vector<Unit> units;
     for (int64_t r0 = 0; r0 < NT;) {
       int64_t r1 = r0 + 1;
       while (r1 < NT && r1 - r0 < kUnitRows && rs[r1] == rs[r0]) r1++;
-      for (int64_t h = 0; h < hkv_; h++)
-        for (int64_t t0 = 0; t0 <= pos[r1 - 1]; t0 += kPosChunk) units.push_back({r0, r1, h, t0});
+      const int64_t heads = pos[r1 - 1] / kPosChunk + 1 >= nthreads ? hkv_ : 1;
+      for (int64_t t0 = 0; t0 <= pos[r1 - 1]; t0 += kPosChunk)
+        for (int64_t h = 0; h < hkv_; h += heads) units.push_back({r0, r1, h, h + heads, t0});
       r0 = r1;
     }
     const int64_t U = static_cast<int64_t>(units.size());
@@ -256,8 +262,7 @@ class DecodeModel {
     torch::Tensor x_t = embed(ids_t, embed_);
     auto h_t = torch::empty({NT, D}, f32), qkv_t = torch::empty({NT, qkv_n}, f32), attn_t = torch::empty({NT, q_size}, f32);
     auto tmp_t = torch::empty({NT, D}, f32), act_t = torch::empty({NT, F}, f32), part_t = torch::empty({P, part}, f32);
-    const int nthreads = at::get_num_threads();
-    const int64_t scratch = 2 * Dh * kPosChunk + G * (kPosChunk + Dh);  // see attend()
+    const int64_t scratch = 2 * hkv_ * Dh * kPosChunk + G * (kPosChunk + Dh);  // see attend()
     auto scores_t = torch::empty({nthreads, scratch}, f32);
     auto gu_all = torch::empty({nthreads, kRowBlock, 2 * kColChunk}, f32);
     float *x = x_t.data_ptr<float>(), *h = h_t.data_ptr<float>(), *qkv = qkv_t.data_ptr<float>();
@@ -526,10 +531,10 @@ class DecodeModel {
     }
   }
 
-  // One work item: the partials (max, sum, unnormalised o per query head) of its rows over its
-  // positions. The item's keys are gathered once, transposed to fp32 (kt[i][t]; with bf16 scores,
-  // left as bf16 pairs: kt[i/2][t]), and its values
-  // widened (vals[t][i]); then each row, alone:
+  // One work item: the partials (max, sum, unnormalised o per query head) of its rows and kv heads
+  // over its positions. The item's keys are gathered once, a head's transposed to fp32 (kt[i][t];
+  // with bf16 scores, left as bf16 pairs: kt[i/2][t]), and its values widened (vals[t][i]), all its
+  // heads of a position together (adjacent in the cache); then each head and row, alone:
   //   scores[t] = scale * sum_i q[i] k_t[i]   (16 positions per vector, i in order)
   //   softmax numerators and their sum;  o = sum_t p_t v_t  (t in order)
   // Every number of a row is computed the same way whichever rows share the item, so a prefill row
@@ -538,105 +543,119 @@ class DecodeModel {
   void attend(const Unit& un, const float* qkv, int64_t qkv_n, const int64_t* pos, const float* cosp, const float* sinp,
               const int32_t* table, const T* layer_cache, int64_t s_block, int64_t s_kv, int64_t bs, int64_t kv_size,
               float scale, float* work, float* parts, int64_t part, const int64_t* first) const {
-    const int64_t G = hq_ / hkv_, Dh = dh_;
+    const int64_t G = hq_ / hkv_, Dh = dh_, H = un.h1 - un.h0;
     const int64_t n_max = std::min<int64_t>(un.t0 + kPosChunk, pos[un.r1 - 1] + 1) - un.t0;
-    float* kt = work;                      // [Dh][kPosChunk]
-    float* vals = kt + Dh * kPosChunk;     // [kPosChunk][Dh]
-    float* scores_buf = vals + kPosChunk * Dh; // [G][kPosChunk]
-    float* qrot = scores_buf + G * kPosChunk;  // [G][Dh]
+    float* kts = work;                                     // per head: [Dh][kPosChunk]
+    float* valss = kts + H * Dh * kPosChunk;               // per head: [kPosChunk][Dh]
+    float* scores_buf = work + 2 * hkv_ * Dh * kPosChunk;  // [G][kPosChunk]
+    float* qrot = scores_buf + G * kPosChunk;              // [G][Dh]
+    const int64_t run = H * Dh * static_cast<int64_t>(sizeof(T));  // bytes of a position's heads [h0, h1)
     // 16 positions at a time, so each line of kt is written whole, transposed in registers (lanes
     // past n_max are computed, never used: zeros keep them finite)
     for (int64_t tb = 0; tb < n_max; tb += 16) {
-      const T* k[16];
       const int64_t m = std::min<int64_t>(16, n_max - tb);
-      // the cache is read from memory, a head's 16 positions at a time: ask for the next 16's keys and
-      // values now, so that their misses overlap this block's work (one thread has few loads in flight)
+      // the cache is read from memory, 16 positions at a time: ask for the next 16's keys and values
+      // now, so that their misses overlap this block's work (one thread has few loads in flight)
       for (int64_t p = un.t0 + tb + 16 + kPrefetchAhead; p < std::min(un.t0 + n_max, un.t0 + tb + 32 + kPrefetchAhead); p++) {
-        const char* line = reinterpret_cast<const char*>(layer_cache + table[p / bs] * s_block + (p % bs) * kv_size + un.h * Dh);
-        for (int64_t off = 0; off < Dh * static_cast<int64_t>(sizeof(T)); off += 64) {
+        const char* line = reinterpret_cast<const char*>(layer_cache + table[p / bs] * s_block + (p % bs) * kv_size + un.h0 * Dh);
+        for (int64_t off = 0; off < run; off += 64) {
           _mm_prefetch(line + off, _MM_HINT_T0);
           _mm_prefetch(line + s_kv * static_cast<int64_t>(sizeof(T)) + off, _MM_HINT_T0);
         }
       }
+      const T* pk[16];
       for (int64_t j = 0; j < m; j++) {
         const int64_t p = un.t0 + tb + j;
-        k[j] = layer_cache + table[p / bs] * s_block + (p % bs) * kv_size + un.h * Dh;
-        for (int64_t i = 0; i < Dh; i += 16) store(vals + (tb + j) * Dh + i, load16(k[j] + s_kv + i));
+        pk[j] = layer_cache + table[p / bs] * s_block + (p % bs) * kv_size + un.h0 * Dh;
       }
+      for (int64_t hh = 0; hh < H; hh++) {
+        float* kt = kts + hh * Dh * kPosChunk;
+        float* vals = valss + hh * kPosChunk * Dh;
+        const T* k[16];
+        for (int64_t j = 0; j < m; j++) {
+          k[j] = pk[j] + hh * Dh;
+          for (int64_t i = 0; i < Dh; i += 16) store(vals + (tb + j) * Dh + i, load16(k[j] + s_kv + i));
+        }
 #if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (key_pairs()) {
-          transpose_key_pairs(k, m, kt + tb);
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (key_pairs()) {
+            transpose_key_pairs(k, m, kt + tb);
+            continue;
+          }
+        }
+#endif
+        transpose_keys(k, m, kt + tb);
+      }
+    }
+    for (int64_t hh = 0; hh < H; hh++) {
+      const int64_t h = un.h0 + hh;
+      const float* kt = kts + hh * Dh * kPosChunk;
+      const float* vals = valss + hh * kPosChunk * Dh;
+      for (int64_t r = un.r0; r < un.r1; r++) {
+        if (pos[r] < un.t0) continue;
+        const int64_t n = std::min<int64_t>(un.t0 + kPosChunk, pos[r] + 1) - un.t0;
+        const float* row = qkv + r * qkv_n;
+        const float* c = cosp + pos[r] * (Dh / 2);
+        const float* sn = sinp + pos[r] * (Dh / 2);
+        for (int64_t g = 0; g < G; g++) rotate(row + (h * G + g) * Dh, c, sn, qrot + g * Dh, Dh);
+        float* pr = parts + (first[r * hkv_ + h] + un.t0 / kPosChunk) * part;
+        row_scores<T>(qrot, kt, n, scale, scores_buf);
+        for (int64_t g = 0; g < G; g++) {
+          float* sg = scores_buf + g * kPosChunk;
+          vf vmx = set1(-INFINITY);
+          int64_t t = 0;
+          for (; t + 16 <= n; t += 16) vmx = max(vmx, load(sg + t));
+          float mx = reduce_max(vmx);
+          for (; t < n; t++) mx = std::max(mx, sg[t]);
+          const vf m = set1(mx);
+          vf sum = zero();
+          t = 0;
+          for (; t + 16 <= n; t += 16) {
+            const vf e = exp16(sub(load(sg + t), m));
+            store(sg + t, e);
+            sum = add(sum, e);
+          }
+          float tail = 0.0f;
+          for (; t < n; t++) {
+            sg[t] = std::exp(sg[t] - mx);
+            tail += sg[t];
+          }
+          pr[g * (Dh + 2)] = mx;
+          pr[g * (Dh + 2) + 1] = reduce_add(sum) + tail;
+        }
+        // o[g] = sum_t p[g, t] v[t], t in order. Head size 64 with up to 4 query heads per kv head keeps
+        // the sums in registers; the general loop below does the same operations in the same order.
+        if (Dh == 64 && G <= 4) {
+          vf acc[4][4];
+          for (int g = 0; g < 4; g++)
+            for (int cc = 0; cc < 4; cc++) acc[g][cc] = zero();
+          for (int64_t t = 0; t < n; t++) {
+            const float* v = vals + t * Dh;
+            const vf v0 = load(v), v1 = load(v + 16), v2 = load(v + 32), v3 = load(v + 48);
+            for (int g = 0; g < 4; g++) {
+              if (g >= G) break;
+              const vf w = set1(scores_buf[g * kPosChunk + t]);
+              acc[g][0] = fmadd(w, v0, acc[g][0]);
+              acc[g][1] = fmadd(w, v1, acc[g][1]);
+              acc[g][2] = fmadd(w, v2, acc[g][2]);
+              acc[g][3] = fmadd(w, v3, acc[g][3]);
+            }
+          }
+          for (int64_t g = 0; g < G; g++)
+            for (int cc = 0; cc < 4; cc++) store(pr + g * (Dh + 2) + 2 + 16 * cc, acc[g][cc]);
           continue;
         }
-      }
-#endif
-      transpose_keys(k, m, kt + tb);
-    }
-    for (int64_t r = un.r0; r < un.r1; r++) {
-      if (pos[r] < un.t0) continue;
-      const int64_t n = std::min<int64_t>(un.t0 + kPosChunk, pos[r] + 1) - un.t0;
-      const float* row = qkv + r * qkv_n;
-      const float* c = cosp + pos[r] * (Dh / 2);
-      const float* sn = sinp + pos[r] * (Dh / 2);
-      for (int64_t g = 0; g < G; g++) rotate(row + (un.h * G + g) * Dh, c, sn, qrot + g * Dh, Dh);
-      float* pr = parts + (first[r * hkv_ + un.h] + un.t0 / kPosChunk) * part;
-      row_scores<T>(qrot, kt, n, scale, scores_buf);
-      for (int64_t g = 0; g < G; g++) {
-        float* sg = scores_buf + g * kPosChunk;
-        vf vmx = set1(-INFINITY);
-        int64_t t = 0;
-        for (; t + 16 <= n; t += 16) vmx = max(vmx, load(sg + t));
-        float mx = reduce_max(vmx);
-        for (; t < n; t++) mx = std::max(mx, sg[t]);
-        const vf m = set1(mx);
-        vf sum = zero();
-        t = 0;
-        for (; t + 16 <= n; t += 16) {
-          const vf e = exp16(sub(load(sg + t), m));
-          store(sg + t, e);
-          sum = add(sum, e);
-        }
-        float tail = 0.0f;
-        for (; t < n; t++) {
-          sg[t] = std::exp(sg[t] - mx);
-          tail += sg[t];
-        }
-        pr[g * (Dh + 2)] = mx;
-        pr[g * (Dh + 2) + 1] = reduce_add(sum) + tail;
-      }
-      // o[g] = sum_t p[g, t] v[t], t in order. Head size 64 with up to 4 query heads per kv head keeps
-      // the sums in registers; the general loop below does the same operations in the same order.
-      if (Dh == 64 && G <= 4) {
-        vf acc[4][4];
-        for (int g = 0; g < 4; g++)
-          for (int cc = 0; cc < 4; cc++) acc[g][cc] = zero();
-        for (int64_t t = 0; t < n; t++) {
-          const float* v = vals + t * Dh;
-          const vf v0 = load(v), v1 = load(v + 16), v2 = load(v + 32), v3 = load(v + 48);
-          for (int g = 0; g < 4; g++) {
-            if (g >= G) break;
-            const vf w = set1(scores_buf[g * kPosChunk + t]);
-            acc[g][0] = fmadd(w, v0, acc[g][0]);
-            acc[g][1] = fmadd(w, v1, acc[g][1]);
-            acc[g][2] = fmadd(w, v2, acc[g][2]);
-            acc[g][3] = fmadd(w, v3, acc[g][3]);
-          }
-        }
         for (int64_t g = 0; g < G; g++)
-          for (int cc = 0; cc < 4; cc++) store(pr + g * (Dh + 2) + 2 + 16 * cc, acc[g][cc]);
-        continue;
-      }
-      for (int64_t g = 0; g < G; g++)
-        for (int64_t i = 0; i < Dh; i++) pr[g * (Dh + 2) + 2 + i] = 0.0f;
-      for (int64_t t = 0; t < n; t++)
-        for (int64_t i = 0; i < Dh; i += 16) {
-          const vf vv = load(vals + t * Dh + i);
-          for (int64_t g = 0; g < G; g++) {
-            float* o = pr + g * (Dh + 2) + 2 + i;
-            store(o, fmadd(set1(scores_buf[g * kPosChunk + t]), vv, load(o)));
+          for (int64_t i = 0; i < Dh; i++) pr[g * (Dh + 2) + 2 + i] = 0.0f;
+        for (int64_t t = 0; t < n; t++)
+          for (int64_t i = 0; i < Dh; i += 16) {
+            const vf vv = load(vals + t * Dh + i);
+            for (int64_t g = 0; g < G; g++) {
+              float* o = pr + g * (Dh + 2) + 2 + i;
+              store(o, fmadd(set1(scores_buf[g * kPosChunk + t]), vv, load(o)));
+            }
           }
-        }
+      }
     }
   }
 
