@@ -3,7 +3,11 @@ of 3), speculation off: a quick check of a kernel change, not a comparison (benc
 With --amx, every measure is taken with the tile unit on and off in turns (A B B A, best of each)
 and a cold prefill of 512 and 2,000 tokens is added: what AMX buys on this machine.
 
-    .venv/bin/python benchmarks/bench_step.py [--threads 2] [--amx]
+With --contexts, the batch-1 step from each context given instead (bench_model's decode measure,
+32 steps, a fresh random prompt each time, `--repeats` times a context, interleaved): what a change
+to attention does, one process per build, builds alternated.
+
+    .venv/bin/python benchmarks/bench_step.py [--threads 2] [--amx | --contexts 128,2000 [--repeats 3]]
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import time
 
 import torch
 
-from bench_model import prefill_seconds  # benchmarks/, the script's own directory
+from bench_model import decode_step_seconds, prefill_seconds  # benchmarks/, the script's own directory
 
 from shared.config import EngineConfig, SpecConfig
 from shared.engine.engine import LLMEngine
@@ -40,8 +44,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--amx", action="store_true", help="each measure with AMX on and off, A B B A")
+    parser.add_argument("--contexts", default=None, help="batch-1 step from these contexts, e.g. 128,2000")
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.contexts:
+        contexts = [int(c) for c in args.contexts.split(",")]
+        engine = LLMEngine.from_config(EngineConfig(num_threads=args.threads, num_kv_blocks=2048, max_num_seqs=64,
+                                                    max_num_batched_tokens=2048, speculative=SpecConfig(mode="off")))
+        for rep in range(args.repeats):
+            print("  ".join(f"context {c}: {decode_step_seconds(engine, 1, c, seed=rep * 100 + i) * 1e3:.2f} ms"
+                            for i, c in enumerate(contexts)), flush=True)
+        return
     engine = LLMEngine.from_config(EngineConfig(num_kv_blocks=512, speculative=SpecConfig(mode="off")))
     if not args.amx:
         for batch in (1, 8):
