@@ -589,74 +589,81 @@ class DecodeModel {
     }
     for (int64_t hh = 0; hh < H; hh++) {
       const int64_t h = un.h0 + hh;
-      const float* kt = kts + hh * Dh * kPosChunk;
-      const float* vals = valss + hh * kPosChunk * Dh;
       for (int64_t r = un.r0; r < un.r1; r++) {
         if (pos[r] < un.t0) continue;
         const int64_t n = std::min<int64_t>(un.t0 + kPosChunk, pos[r] + 1) - un.t0;
-        const float* row = qkv + r * qkv_n;
+        const float* q = qkv + r * qkv_n + h * G * Dh;
         const float* c = cosp + pos[r] * (Dh / 2);
         const float* sn = sinp + pos[r] * (Dh / 2);
-        for (int64_t g = 0; g < G; g++) rotate(row + (h * G + g) * Dh, c, sn, qrot + g * Dh, Dh);
-        float* pr = parts + (first[r * hkv_ + h] + un.t0 / kPosChunk) * part;
-        row_scores<T>(qrot, kt, n, scale, scores_buf);
-        for (int64_t g = 0; g < G; g++) {
-          float* sg = scores_buf + g * kPosChunk;
-          vf vmx = set1(-INFINITY);
-          int64_t t = 0;
-          for (; t + 16 <= n; t += 16) vmx = max(vmx, load(sg + t));
-          float mx = reduce_max(vmx);
-          for (; t < n; t++) mx = std::max(mx, sg[t]);
-          const vf m = set1(mx);
-          vf sum = zero();
-          t = 0;
-          for (; t + 16 <= n; t += 16) {
-            const vf e = exp16(sub(load(sg + t), m));
-            store(sg + t, e);
-            sum = add(sum, e);
-          }
-          float tail = 0.0f;
-          for (; t < n; t++) {
-            sg[t] = std::exp(sg[t] - mx);
-            tail += sg[t];
-          }
-          pr[g * (Dh + 2)] = mx;
-          pr[g * (Dh + 2) + 1] = reduce_add(sum) + tail;
-        }
-        // o[g] = sum_t p[g, t] v[t], t in order. Head size 64 with up to 4 query heads per kv head keeps
-        // the sums in registers; the general loop below does the same operations in the same order.
-        if (Dh == 64 && G <= 4) {
-          vf acc[4][4];
-          for (int g = 0; g < 4; g++)
-            for (int cc = 0; cc < 4; cc++) acc[g][cc] = zero();
-          for (int64_t t = 0; t < n; t++) {
-            const float* v = vals + t * Dh;
-            const vf v0 = load(v), v1 = load(v + 16), v2 = load(v + 32), v3 = load(v + 48);
-            for (int g = 0; g < 4; g++) {
-              if (g >= G) break;
-              const vf w = set1(scores_buf[g * kPosChunk + t]);
-              acc[g][0] = fmadd(w, v0, acc[g][0]);
-              acc[g][1] = fmadd(w, v1, acc[g][1]);
-              acc[g][2] = fmadd(w, v2, acc[g][2]);
-              acc[g][3] = fmadd(w, v3, acc[g][3]);
-            }
-          }
-          for (int64_t g = 0; g < G; g++)
-            for (int cc = 0; cc < 4; cc++) store(pr + g * (Dh + 2) + 2 + 16 * cc, acc[g][cc]);
-          continue;
-        }
-        for (int64_t g = 0; g < G; g++)
-          for (int64_t i = 0; i < Dh; i++) pr[g * (Dh + 2) + 2 + i] = 0.0f;
-        for (int64_t t = 0; t < n; t++)
-          for (int64_t i = 0; i < Dh; i += 16) {
-            const vf vv = load(vals + t * Dh + i);
-            for (int64_t g = 0; g < G; g++) {
-              float* o = pr + g * (Dh + 2) + 2 + i;
-              store(o, fmadd(set1(scores_buf[g * kPosChunk + t]), vv, load(o)));
-            }
-          }
+        for (int64_t g = 0; g < G; g++) rotate(q + g * Dh, c, sn, qrot + g * Dh, Dh);
+        row_partial<T>(qrot, kts + hh * Dh * kPosChunk, valss + hh * kPosChunk * Dh, n, scale, scores_buf,
+                       parts + (first[r * hkv_ + h] + un.t0 / kPosChunk) * part);
       }
     }
+  }
+
+  // The partial (max, sum, unnormalised o) of one row's G query heads (rotated: qrot) over the first n
+  // positions an item staged for their kv head (kt, vals); scores_buf is scratch.
+  template <typename T>
+  void row_partial(const float* qrot, const float* kt, const float* vals, int64_t n, float scale, float* scores_buf,
+                   float* pr) const {
+    const int64_t G = hq_ / hkv_, Dh = dh_;
+    row_scores<T>(qrot, kt, n, scale, scores_buf);
+    for (int64_t g = 0; g < G; g++) {
+      float* sg = scores_buf + g * kPosChunk;
+      vf vmx = set1(-INFINITY);
+      int64_t t = 0;
+      for (; t + 16 <= n; t += 16) vmx = max(vmx, load(sg + t));
+      float mx = reduce_max(vmx);
+      for (; t < n; t++) mx = std::max(mx, sg[t]);
+      const vf m = set1(mx);
+      vf sum = zero();
+      t = 0;
+      for (; t + 16 <= n; t += 16) {
+        const vf e = exp16(sub(load(sg + t), m));
+        store(sg + t, e);
+        sum = add(sum, e);
+      }
+      float tail = 0.0f;
+      for (; t < n; t++) {
+        sg[t] = std::exp(sg[t] - mx);
+        tail += sg[t];
+      }
+      pr[g * (Dh + 2)] = mx;
+      pr[g * (Dh + 2) + 1] = reduce_add(sum) + tail;
+    }
+    // o[g] = sum_t p[g, t] v[t], t in order. Head size 64 with up to 4 query heads per kv head keeps
+    // the sums in registers; the general loop below does the same operations in the same order.
+    if (Dh == 64 && G <= 4) {
+      vf acc[4][4];
+      for (int g = 0; g < 4; g++)
+        for (int cc = 0; cc < 4; cc++) acc[g][cc] = zero();
+      for (int64_t t = 0; t < n; t++) {
+        const float* v = vals + t * Dh;
+        const vf v0 = load(v), v1 = load(v + 16), v2 = load(v + 32), v3 = load(v + 48);
+        for (int g = 0; g < 4; g++) {
+          if (g >= G) break;
+          const vf w = set1(scores_buf[g * kPosChunk + t]);
+          acc[g][0] = fmadd(w, v0, acc[g][0]);
+          acc[g][1] = fmadd(w, v1, acc[g][1]);
+          acc[g][2] = fmadd(w, v2, acc[g][2]);
+          acc[g][3] = fmadd(w, v3, acc[g][3]);
+        }
+      }
+      for (int64_t g = 0; g < G; g++)
+        for (int cc = 0; cc < 4; cc++) store(pr + g * (Dh + 2) + 2 + 16 * cc, acc[g][cc]);
+      return;
+    }
+    for (int64_t g = 0; g < G; g++)
+      for (int64_t i = 0; i < Dh; i++) pr[g * (Dh + 2) + 2 + i] = 0.0f;
+    for (int64_t t = 0; t < n; t++)
+      for (int64_t i = 0; i < Dh; i += 16) {
+        const vf vv = load(vals + t * Dh + i);
+        for (int64_t g = 0; g < G; g++) {
+          float* o = pr + g * (Dh + 2) + 2 + i;
+          store(o, fmadd(set1(scores_buf[g * kPosChunk + t]), vv, load(o)));
+        }
+      }
   }
 
   // o = sum_u e^(m_u - M) o_u / sum_u e^(m_u - M) l_u over the units [u0, u1) of one (sequence, kv head)
