@@ -409,23 +409,19 @@ class DecodeModel {
     }
   }
 
-  // s[g][t] = scale * sum_i q[g][i] kt[i][t] for NG query heads and t < n (rounded up to 16), each
-  // lane's sum in order of i; two blocks of 16 positions at a time (2 x NG independent sums in flight)
-  template <int NG>
-  void scores(const float* q, const float* kt, int64_t n, float scale, float* s) const {
-    const int64_t Dh = dh_;
+  // s[g][t] = scale * (the sum `step` accumulates over i < steps) for NG query heads and t < n
+  // (rounded up to 16), each lane's sum in order of i; two blocks of 16 positions at a time (2 x NG
+  // independent sums in flight). step(a, i, tb) adds term i to the NG sums of positions tb..tb+16.
+  template <int NG, typename Step>
+  static void score_blocks(int64_t steps, int64_t n, float scale, float* s, const Step& step) {
     const vf vscale = set1(scale);
     int64_t tb = 0;
     for (; tb + 16 < n; tb += 32) {
       vf a0[NG], a1[NG];
       for (int g = 0; g < NG; g++) a0[g] = a1[g] = zero();
-      for (int64_t i = 0; i < Dh; i++) {
-        const vf k0 = load(kt + i * kPosChunk + tb), k1 = load(kt + i * kPosChunk + tb + 16);
-        for (int g = 0; g < NG; g++) {
-          const vf qb = set1(q[g * Dh + i]);
-          a0[g] = fmadd(qb, k0, a0[g]);
-          a1[g] = fmadd(qb, k1, a1[g]);
-        }
+      for (int64_t i = 0; i < steps; i++) {
+        step(a0, i, tb);
+        step(a1, i, tb + 16);
       }
       for (int g = 0; g < NG; g++) {
         store(s + g * kPosChunk + tb, mul(a0[g], vscale));
@@ -435,12 +431,19 @@ class DecodeModel {
     if (tb < n) {
       vf a0[NG];
       for (int g = 0; g < NG; g++) a0[g] = zero();
-      for (int64_t i = 0; i < Dh; i++) {
-        const vf k0 = load(kt + i * kPosChunk + tb);
-        for (int g = 0; g < NG; g++) a0[g] = fmadd(set1(q[g * Dh + i]), k0, a0[g]);
-      }
+      for (int64_t i = 0; i < steps; i++) step(a0, i, tb);
       for (int g = 0; g < NG; g++) store(s + g * kPosChunk + tb, mul(a0[g], vscale));
     }
+  }
+
+  // s[g][t] = scale * sum_i q[g][i] kt[i][t], i in order
+  template <int NG>
+  void scores(const float* q, const float* kt, int64_t n, float scale, float* s) const {
+    const int64_t Dh = dh_;
+    score_blocks<NG>(Dh, n, scale, s, [&](vf* a, int64_t i, int64_t tb) {
+      const vf k = load(kt + i * kPosChunk + tb);
+      for (int g = 0; g < NG; g++) a[g] = fmadd(set1(q[g * Dh + i]), k, a[g]);
+    });
   }
 
 #if defined(__AVX512BF16__)
@@ -462,35 +465,11 @@ class DecodeModel {
   template <int NG>
   void scores_bf16(const uint32_t* qp, const float* kp, int64_t n, float scale, float* s) const {
     const int64_t D2 = dh_ / 2;
-    const __m512 vscale = _mm512_set1_ps(scale);
-    int64_t tb = 0;
-    for (; tb + 16 < n; tb += 32) {
-      __m512 a0[NG], a1[NG];
-      for (int g = 0; g < NG; g++) a0[g] = a1[g] = _mm512_setzero_ps();
-      for (int64_t i = 0; i < D2; i++) {
-        const __m512bh k0 = (__m512bh)_mm512_loadu_ps(kp + i * kPosChunk + tb);
-        const __m512bh k1 = (__m512bh)_mm512_loadu_ps(kp + i * kPosChunk + tb + 16);
-        for (int g = 0; g < NG; g++) {
-          const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[g * D2 + i]));
-          a0[g] = _mm512_dpbf16_ps(a0[g], qb, k0);
-          a1[g] = _mm512_dpbf16_ps(a1[g], qb, k1);
-        }
-      }
-      for (int g = 0; g < NG; g++) {
-        _mm512_storeu_ps(s + g * kPosChunk + tb, _mm512_mul_ps(a0[g], vscale));
-        _mm512_storeu_ps(s + g * kPosChunk + tb + 16, _mm512_mul_ps(a1[g], vscale));
-      }
-    }
-    if (tb < n) {
-      __m512 a0[NG];
-      for (int g = 0; g < NG; g++) a0[g] = _mm512_setzero_ps();
-      for (int64_t i = 0; i < D2; i++) {
-        const __m512bh k0 = (__m512bh)_mm512_loadu_ps(kp + i * kPosChunk + tb);
-        for (int g = 0; g < NG; g++)
-          a0[g] = _mm512_dpbf16_ps(a0[g], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[g * D2 + i])), k0);
-      }
-      for (int g = 0; g < NG; g++) _mm512_storeu_ps(s + g * kPosChunk + tb, _mm512_mul_ps(a0[g], vscale));
-    }
+    score_blocks<NG>(D2, n, scale, s, [&](vf* a, int64_t i, int64_t tb) {
+      const __m512bh k = (__m512bh)_mm512_loadu_ps(kp + i * kPosChunk + tb);
+      for (int g = 0; g < NG; g++)
+        a[g].v = _mm512_dpbf16_ps(a[g].v, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[g * D2 + i])), k);
+    });
   }
 #endif
 
