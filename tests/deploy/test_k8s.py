@@ -237,7 +237,7 @@ def test_nats_is_a_three_server_jetstream_cluster(k8s):
     (volume,) = [v for v in pod(nats)["volumes"] if "configMap" in v]
     conf = k8s.get("ConfigMap", volume["configMap"]["name"])["data"]["nats.conf"]
     assert re.search(r"^jetstream\s*\{", conf, re.M) and re.search(r"^cluster\s*\{", conf, re.M)
-    assert NATS_ROUTE_LIVENESS in conf  # the routes' liveness, as pdserve's own clusters'
+    assert NATS_ROUTE_LIVENESS in conf  # the routes' liveness, as in pdserve's own clusters
     cluster_port = re.search(r"^\s+port:\s*(\d+)", conf[conf.index("cluster"):], re.M).group(1)
     routes = re.findall(r"nats://(\S+):(\d+)", conf)
     assert sorted(routes) == [(f"nats-{i}.{headless['metadata']['name']}", cluster_port) for i in range(3)]
