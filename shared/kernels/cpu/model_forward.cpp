@@ -34,7 +34,6 @@ namespace {
 constexpr int64_t kColChunk = 16;   // output columns per work item of a matmul (one vector: see silu)
 constexpr int64_t kPosChunk = 256;  // cache positions per attention work item
 constexpr int64_t kUnitRows = 16;   // rows of one sequence per attention work item (they share its keys)
-constexpr int64_t kPrefetchAhead = 16;  // positions past the next 16 whose cache lines are prefetched
 constexpr int64_t kRowBlock = 64;   // rows per matmul work item: their prepared activations stay in L2
 
 using namespace simd;
@@ -59,6 +58,12 @@ inline vf exp16(vf x) {
 inline vf load16(const float* p) { return load(p); }
 inline vf load16(const c10::BFloat16* p) { return load_bf16(reinterpret_cast<const uint16_t*>(p)); }
 inline vf load16(const c10::Half* p) { return load_f16(reinterpret_cast<const uint16_t*>(p)); }
+
+// ask for the cache lines of bytes [p, p + n) (kHint: _MM_HINT_T0 into L1, _MM_HINT_T1 into L2)
+template <int kHint>
+inline void prefetch(const void* p, int64_t n) {
+  for (int64_t off = 0; off < n; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, static_cast<_mm_hint>(kHint));
+}
 
 template <typename T>
 inline void store_cache(T* dst, const float* src, int64_t n) {
@@ -262,7 +267,7 @@ class DecodeModel {
     torch::Tensor x_t = embed(ids_t, embed_);
     auto h_t = torch::empty({NT, D}, f32), qkv_t = torch::empty({NT, qkv_n}, f32), attn_t = torch::empty({NT, q_size}, f32);
     auto tmp_t = torch::empty({NT, D}, f32), act_t = torch::empty({NT, F}, f32), part_t = torch::empty({P, part}, f32);
-    const int64_t scratch = 2 * hkv_ * Dh * kPosChunk + G * (kPosChunk + Dh);  // see attend()
+    const int64_t scratch = hkv_ * Dh * kPosChunk + G * (kPosChunk + Dh);  // see attend()
     auto scores_t = torch::empty({nthreads, scratch}, f32);
     auto gu_all = torch::empty({nthreads, kRowBlock, 2 * kColChunk}, f32);
     float *x = x_t.data_ptr<float>(), *h = h_t.data_ptr<float>(), *qkv = qkv_t.data_ptr<float>();
@@ -512,8 +517,8 @@ class DecodeModel {
 
   // One work item: the partials (max, sum, unnormalised o per query head) of its rows and kv heads
   // over its positions. The item's keys are gathered once, a head's transposed to fp32 (kt[i][t];
-  // with bf16 scores, left as bf16 pairs: kt[i/2][t]), and its values widened (vals[t][i]), all its
-  // heads of a position together (adjacent in the cache); then each head and row, alone:
+  // with bf16 scores, left as bf16 pairs: kt[i/2][t]), all its heads of a position together (adjacent
+  // in the cache); the values are read where they are, when they are summed. Then each head and row:
   //   scores[t] = scale * sum_i q[i] k_t[i]   (16 positions per vector, i in order)
   //   softmax numerators and their sum;  o = sum_t p_t v_t  (t in order)
   // Every number of a row is computed the same way whichever rows share the item, so a prefill row
@@ -524,37 +529,32 @@ class DecodeModel {
               float scale, float* work, float* parts, int64_t part, const int64_t* first) const {
     const int64_t G = hq_ / hkv_, Dh = dh_, H = un.h1 - un.h0;
     const int64_t n_max = std::min<int64_t>(un.t0 + kPosChunk, pos[un.r1 - 1] + 1) - un.t0;
-    float* kts = work;                                     // per head: [Dh][kPosChunk]
-    float* valss = kts + H * Dh * kPosChunk;               // per head: [kPosChunk][Dh]
-    float* scores_buf = work + 2 * hkv_ * Dh * kPosChunk;  // [G][kPosChunk]
-    float* qrot = scores_buf + G * kPosChunk;              // [G][Dh]
+    float* kts = work;                                 // per head: [Dh][kPosChunk]
+    float* scores_buf = work + hkv_ * Dh * kPosChunk;  // [G][kPosChunk]
+    float* qrot = scores_buf + G * kPosChunk;          // [G][Dh]
+    const T* vp[kPosChunk];                            // each position's values of head h0, in the cache
     const int64_t run = H * Dh * static_cast<int64_t>(sizeof(T));  // bytes of a position's heads [h0, h1)
     // 16 positions at a time, so each line of kt is written whole, transposed in registers (lanes
     // past n_max are computed, never used: zeros keep them finite)
     for (int64_t tb = 0; tb < n_max; tb += 16) {
       const int64_t m = std::min<int64_t>(16, n_max - tb);
       // the cache is read from memory, 16 positions at a time: ask for the next 16's keys and values
-      // now, so that their misses overlap this block's work (one thread has few loads in flight)
-      for (int64_t p = un.t0 + tb + 16 + kPrefetchAhead; p < std::min(un.t0 + n_max, un.t0 + tb + 32 + kPrefetchAhead); p++) {
-        const char* line = reinterpret_cast<const char*>(layer_cache + table[p / bs] * s_block + (p % bs) * kv_size + un.h0 * Dh);
-        for (int64_t off = 0; off < run; off += 64) {
-          _mm_prefetch(line + off, _MM_HINT_T0);
-          _mm_prefetch(line + s_kv * static_cast<int64_t>(sizeof(T)) + off, _MM_HINT_T0);
-        }
+      // (into L2) now, so that their misses overlap this block's work (one thread has few loads in flight)
+      for (int64_t p = un.t0 + tb + 16; p < std::min(un.t0 + n_max, un.t0 + tb + 32); p++) {
+        const T* kp = layer_cache + table[p / bs] * s_block + (p % bs) * kv_size + un.h0 * Dh;
+        prefetch<_MM_HINT_T1>(kp, run);
+        prefetch<_MM_HINT_T1>(kp + s_kv, run);
       }
       const T* pk[16];
       for (int64_t j = 0; j < m; j++) {
         const int64_t p = un.t0 + tb + j;
         pk[j] = layer_cache + table[p / bs] * s_block + (p % bs) * kv_size + un.h0 * Dh;
+        vp[tb + j] = pk[j] + s_kv;
       }
       for (int64_t hh = 0; hh < H; hh++) {
         float* kt = kts + hh * Dh * kPosChunk;
-        float* vals = valss + hh * kPosChunk * Dh;
         const T* k[16];
-        for (int64_t j = 0; j < m; j++) {
-          k[j] = pk[j] + hh * Dh;
-          for (int64_t i = 0; i < Dh; i += 16) store(vals + (tb + j) * Dh + i, load16(k[j] + s_kv + i));
-        }
+        for (int64_t j = 0; j < m; j++) k[j] = pk[j] + hh * Dh;
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
           if (key_pairs()) {
@@ -575,17 +575,18 @@ class DecodeModel {
         const float* c = cosp + pos[r] * (Dh / 2);
         const float* sn = sinp + pos[r] * (Dh / 2);
         for (int64_t g = 0; g < G; g++) rotate(q + g * Dh, c, sn, qrot + g * Dh, Dh);
-        row_partial<T>(qrot, kts + hh * Dh * kPosChunk, valss + hh * kPosChunk * Dh, n, scale, scores_buf,
+        row_partial<T>(qrot, kts + hh * Dh * kPosChunk, vp, hh * Dh, n, scale, scores_buf,
                        parts + (first[r * hkv_ + h] + un.t0 / kPosChunk) * part);
       }
     }
   }
 
   // The partial (max, sum, unnormalised o) of one row's G query heads (rotated: qrot) over the first n
-  // positions an item staged for their kv head (kt, vals); scores_buf is scratch.
+  // positions of an item: their kv head's staged keys (kt) and its values, at vp[t] + voff in the
+  // cache; scores_buf is scratch.
   template <typename T>
-  void row_partial(const float* qrot, const float* kt, const float* vals, int64_t n, float scale, float* scores_buf,
-                   float* pr) const {
+  void row_partial(const float* qrot, const float* kt, const T* const* vp, int64_t voff, int64_t n, float scale,
+                   float* scores_buf, float* pr) const {
     const int64_t G = hq_ / hkv_, Dh = dh_;
     row_scores<T>(qrot, kt, n, scale, scores_buf);
     for (int64_t g = 0; g < G; g++) {
@@ -618,8 +619,9 @@ class DecodeModel {
       for (int g = 0; g < 4; g++)
         for (int cc = 0; cc < 4; cc++) acc[g][cc] = zero();
       for (int64_t t = 0; t < n; t++) {
-        const float* v = vals + t * Dh;
-        const vf v0 = load(v), v1 = load(v + 16), v2 = load(v + 32), v3 = load(v + 48);
+        const T* v = vp[t] + voff;
+        if (t + 16 < n) prefetch<_MM_HINT_T0>(vp[t + 16] + voff, Dh * static_cast<int64_t>(sizeof(T)));
+        const vf v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
         for (int g = 0; g < 4; g++) {
           if (g >= G) break;
           const vf w = set1(scores_buf[g * kPosChunk + t]);
@@ -637,7 +639,7 @@ class DecodeModel {
       for (int64_t i = 0; i < Dh; i++) pr[g * (Dh + 2) + 2 + i] = 0.0f;
     for (int64_t t = 0; t < n; t++)
       for (int64_t i = 0; i < Dh; i += 16) {
-        const vf vv = load(vals + t * Dh + i);
+        const vf vv = load16(vp[t] + voff + i);
         for (int64_t g = 0; g < G; g++) {
           float* o = pr + g * (Dh + 2) + 2 + i;
           store(o, fmadd(set1(scores_buf[g * kPosChunk + t]), vv, load(o)));
