@@ -11,7 +11,7 @@ Parts:
            case of tests/kernels/test_paged_attention.py (decode, prefill chunks, GQA ratios, mixed
            batches) plus SmolLM2's own shape in bf16; max error per case, and the kernel's time
   engine   the engine on the device against the CPU fp32 reference: the tiny random model's greedy
-           tokens, and — when the default model file is on the machine — the README question's
+           tokens (and on CUDA, its decode steps from captured graphs against the eager ones), and — when the default model file is on the machine — the README question's
            first 16 greedy tokens in the default precision
 Not here yet (they need what the device machine lacks today: pdserve's non-torch dependencies and
 the 98 MB model file, over the 64 MiB a run may carry): the whole `pdserve up` stack on the GPU and
@@ -107,9 +107,15 @@ def part_engine(device: str, quick: bool) -> dict:
     reference = LLMEngine(tiny_model(seed=3), None, EngineConfig(**config))
     ref_tokens = [o.new_token_ids for o in reference.generate(prompts, greedy)]
     model = tiny_model(seed=3).to(device)
-    on_device = LLMEngine(model, None, EngineConfig(**config, device=device))
+    on_device = LLMEngine(model, None, EngineConfig(**config, device=device))  # decode graphs on CUDA
     dev_tokens = [o.new_token_ids for o in on_device.generate(prompts, greedy)]
-    out["tiny_model"] = {"reference": ref_tokens, "device": dev_tokens, "equal": ref_tokens == dev_tokens}
+    eager = LLMEngine(model, None, EngineConfig(**config, device=device, fused_forward=False))
+    eager_tokens = [o.new_token_ids for o in eager.generate(prompts, greedy)]
+    graphs = on_device.runner.graphs
+    out["tiny_model"] = {"reference": ref_tokens, "device": dev_tokens, "equal": ref_tokens == dev_tokens,
+                         "device_eager": eager_tokens, "graphs_equal_eager": dev_tokens == eager_tokens,
+                         "decode_graphs": None if graphs is None else
+                         {"buckets": graphs.buckets, "capture_seconds": graphs.capture_seconds}}
     from shared.model.hub import default_model_path
     path = default_model_path()
     if path is not None and Path(path).exists() and not quick:

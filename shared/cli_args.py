@@ -53,8 +53,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-compile", action="store_true", default=env("PDSERVE_NO_COMPILE") == "1",
-                   help="eager torch ops over the same weight blocks instead of the fused C++ forward (slower; "
-                        "for debugging)")
+                   help="eager torch ops instead of the compiled step: the fused C++ forward over the same weight "
+                        "blocks on the CPU, decode steps replayed from CUDA graphs on CUDA (slower; for debugging)")
     add_speculative_args(p)
 
 

@@ -71,7 +71,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the checkpoint's context length
     num_threads: int | None = None  # torch intra-op threads (None: torch's default)
-    fused_forward: bool = True  # the fused C++ forward where the model can use it; False: eager torch
+    # the compiled step: the fused C++ forward on the CPU, decode steps from CUDA graphs on CUDA; False: eager torch
+    fused_forward: bool = True
     speculative: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:

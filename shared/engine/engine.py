@@ -89,7 +89,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, config.block_size, model_id or mcfg.name)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
-        self.runner = ModelRunner(model, self.kv_cache, fused=config.fused_forward)
+        self.runner = ModelRunner(model, self.kv_cache, fused=config.fused_forward, max_batch=config.max_num_seqs,
+                                  max_model_len=self.max_model_len)
         eos = tokenizer.stop_token_ids if tokenizer is not None else set()
         self.stop_checker = StopChecker(set(eos), self.max_model_len)
         self.seqs: dict[str, Sequence] = {}

@@ -6,7 +6,8 @@ rows whose next token is wanted (a prefill chunk that is not the prompt's last n
 
 Where the model has a fused forward (`fused_forward.py`, the CPU default), every chunk — decode
 tokens and prefill chunks — runs through it, so a token is computed the same way on every path;
-otherwise through the model's torch forward.
+otherwise through the model's torch forward. On a CUDA device the pure decode steps replay captured
+graphs of that torch forward (`decode_graphs.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.engine.decode_graphs import DecodeGraphs
 from shared.kvcache.kv_cache import KVCache
 from shared.model.attention import AttentionMetadata
 from shared.model.fused_forward import FusedForward
@@ -32,11 +34,18 @@ class ScheduledChunk:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, fused: bool = True):
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, fused: bool = True, max_batch: int = 64,
+                 max_model_len: int | None = None):
+        """fused: the compiled step where the device has one (the C++ forward on the CPU, decode graphs
+        on CUDA, captured for up to `max_batch` sequences of up to `max_model_len` tokens); False: eager."""
         self.model, self.kv_cache = model, kv_cache
         self.block_size = kv_cache.block_size
         self.device = kv_cache.data.device
         self.fused = FusedForward.for_model(model) if fused and self.device.type == "cpu" else None
+        self.graphs = None
+        if fused and self.device.type == "cuda":
+            max_len = max_model_len or model.config.max_model_len
+            self.graphs = DecodeGraphs(model, kv_cache, max_batch, -(-max_len // self.block_size))
 
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
@@ -76,9 +85,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """One step; returns fp32 logits [sum of num_logits, V], in chunk order."""
-        if self.fused is None:
-            return self._forward(chunks)
-        return self._fused(chunks)
+        if self.fused is not None:
+            return self._fused(chunks)
+        if self.graphs is not None and self.graphs.accepts(chunks):
+            return self.graphs.run(chunks)
+        return self._forward(chunks)
 
     def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         ids, positions, attn, logit_rows = self.prepare(chunks)

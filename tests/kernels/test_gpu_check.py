@@ -20,5 +20,6 @@ def test_gpu_check_runs_every_part_on_cpu(tmp_path):
     assert kernels["ok"] and kernels["max_abs_err_fp32"] < 1e-4 and len(kernels["cases"]) == 2
     engine = json.loads((tmp_path / "engine.json").read_text())
     assert engine["tiny_model"]["equal"] and len(engine["tiny_model"]["device"][0]) == 8
+    assert engine["tiny_model"]["graphs_equal_eager"]
     env = json.loads((tmp_path / "env.json").read_text())
     assert env["device"] == "cpu" and env["torch"]
