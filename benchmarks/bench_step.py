@@ -5,9 +5,10 @@ and a cold prefill of 512 and 2,000 tokens is added: what AMX buys on this machi
 
 With --contexts, the batch-1 step from each context given instead (bench_model's decode measure,
 32 steps, a fresh random prompt each time, `--repeats` times a context, interleaved): what a change
-to attention does, one process per build, builds alternated.
+to attention does, one process per build, builds alternated. `--long` adds, at the last context, the
+step of 8 sequences and a cold prefill of that many tokens.
 
-    .venv/bin/python benchmarks/bench_step.py [--threads 2] [--amx | --contexts 128,2000 [--repeats 3]]
+    .venv/bin/python benchmarks/bench_step.py [--threads 2] [--amx | --contexts 128,2000 [--repeats 3] [--long]]
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def main() -> None:
     parser.add_argument("--amx", action="store_true", help="each measure with AMX on and off, A B B A")
     parser.add_argument("--contexts", default=None, help="batch-1 step from these contexts, e.g. 128,2000")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--long", action="store_true", help="with --contexts: batch 8 and prefill at the last one")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.contexts:
@@ -53,8 +55,13 @@ def main() -> None:
         engine = LLMEngine.from_config(EngineConfig(num_threads=args.threads, num_kv_blocks=2048, max_num_seqs=64,
                                                     max_num_batched_tokens=2048, speculative=SpecConfig(mode="off")))
         for rep in range(args.repeats):
-            print("  ".join(f"context {c}: {decode_step_seconds(engine, 1, c, seed=rep * 100 + i) * 1e3:.2f} ms"
-                            for i, c in enumerate(contexts)), flush=True)
+            line = [f"context {c}: {decode_step_seconds(engine, 1, c, seed=rep * 100 + i) * 1e3:.2f} ms"
+                    for i, c in enumerate(contexts)]
+            if args.long:
+                c = contexts[-1]
+                line.append(f"batch 8 at {c}: {decode_step_seconds(engine, 8, c, seed=rep * 100 + 50) * 1e3:.2f} ms")
+                line.append(f"prefill {c}: {c / prefill_seconds(engine, c, seed=rep * 100 + 60):.0f} tok/s")
+            print("  ".join(line), flush=True)
         return
     engine = LLMEngine.from_config(EngineConfig(num_kv_blocks=512, speculative=SpecConfig(mode="off")))
     if not args.amx:
