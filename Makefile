@@ -39,7 +39,7 @@ tools:
 	  echo "make tools: chromium/promtool/ip missing and not installable here; their tests will say so"
 
 test: install model tools
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -36,8 +36,8 @@ from services.planner.autoscale import add_autoscale_args, autoscale_config, for
 from services.supervisor import CrashLoop, RestartPolicy, Supervisor
 from shared.engine.cores import SLOTS as CORE_SLOTS
 from shared.transport.servers import (
-    ServerProcess, cluster_url, die_with_parent, sentinel_url, start_nats, start_nats_cluster, start_valkey,
-    start_valkey_ha, wait_for_http_ok,
+    ServerProcess, cluster_url, die_with_parent, reserve_port, sentinel_url, start_nats, start_nats_cluster,
+    start_valkey, start_valkey_ha, wait_for_http_ok,
 )
 
 log = logging.getLogger("pdserve.up")
@@ -267,6 +267,7 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pdserve-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
     stack = Stack(workdir)
+    reserve_port(args.port)  # the gateway binds it last: no embedded server may take it first
     try:
         _start(stack, args)
     except BaseException:

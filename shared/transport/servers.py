@@ -55,6 +55,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def reserve_port(port: int) -> None:
+    """Keep `free_port` from handing out `port`: one this process was told to use and binds later
+    (`up`'s gateway port, chosen by its caller, is bound only after every server and worker is up:
+    a NATS server started in between once took it, and `/health` answered with NATS's INFO line)."""
+    _handed_out.add(port)
+
+
 def wait_for_port(port: int, timeout: float = 10.0, proc: subprocess.Popen | None = None,
                   host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout
