@@ -522,8 +522,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(config.describe(), flush=True)
         if args.policy == "forecast":  # a bad flag is one line now, not after the stack has started
             forecast = forecast_scaler(args, config, "pdserve up")
-            print(f"  policy: forecast, {forecast.capacity.prefill_rps:g} and {forecast.capacity.decode_rps:g} req/s "
-                  f"a prefill and a decode worker, {forecast.startup_s:g} s from adding one to serving", flush=True)
+            print(f"  policy: forecast, {forecast.sizer}, {forecast.startup_s:g} s from adding one to serving",
+                  flush=True)
     if args.dry_run:
         print(format_plan(args), flush=True)
         return 0

@@ -31,8 +31,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.planner.forecast import Capacity, ForecastScaler
-from shared.telemetry.names import ITL, REQUESTS_TOTAL, REQUESTS_WAITING, TTFT
+from services.planner.forecast import Capacity, ForecastScaler, ProfileSizer
+from shared.sim.cost import load_profile
+from shared.sim.workload import Load
+from shared.telemetry.names import (E2E, GENERATION_TOKENS, ITL, PREFILL_SECONDS, PROMPT_TOKENS, REQUESTS_TOTAL,
+                                    REQUESTS_WAITING, TTFT)
 
 log = logging.getLogger("pdserve.autoscale")
 
@@ -86,6 +89,7 @@ class Observation:
     itl_p90_s: float | None
     prefill_waiting: float  # requests dispatched with no first token yet
     decode_waiting: float  # decode jobs waiting for a worker
+    finished: Load = field(default_factory=Load)  # work finished in the interval (the profile sizer's mix)
 
 
 class Actuator(Protocol):
@@ -217,13 +221,15 @@ class ForecastAutoscaler(Workers):
         super().__init__(actuator, initial)
         self.scaler, self.budget = scaler, scaler.budget
         self.arrived = 0  # requests seen by the gateway since the policy started
+        self.load = Load()  # work finished since then
 
     def step(self, obs: Observation, now: float) -> list[Decision]:
         self._next_interval()
         have = [self.count(k) for k in KINDS]
         self.arrived += obs.requests
+        self.load += obs.finished
         targets = self.scaler.targets_for(now, self.arrived, (round(obs.prefill_waiting), round(obs.decode_waiting)),
-                                          have, self.processes - sum(have), self.budget)
+                                          have, self.processes - sum(have), self.budget, self.load)
         reason = f"forecast {self.scaler.forecast():.3g} req/s"
         made = []
         for kind, n in zip(KINDS, targets):  # drains first: a pool that grows may need their budget
@@ -278,6 +284,15 @@ def histogram_p90(now: dict[float, float], before: dict[float, float]) -> float 
     return None
 
 
+def _finished(samples) -> Load:
+    """A gateway's totals of finished work: requests (E2E observations), their tokens and prefill seconds."""
+    total = {name: sum(v for n, _, v in samples if n == name)
+             for name in (f"{E2E}_count", PROMPT_TOKENS, GENERATION_TOKENS, PREFILL_SECONDS)}
+    done = total[f"{E2E}_count"]
+    return Load(finished=done, output_tokens=total[GENERATION_TOKENS], prefilled=done,
+                prompt_tokens=total[PROMPT_TOKENS], prefill_s=total[PREFILL_SECONDS])
+
+
 class MetricsWatcher:
     """Scrapes the gateways' /metrics; each `observe()` describes the time since the previous one.
 
@@ -290,7 +305,7 @@ class MetricsWatcher:
     def __init__(self, base_url: str | Callable[[], list[str]], fetch: Callable[[str], str] | None = None):
         self.urls = base_url if callable(base_url) else (lambda: [base_url])
         self.fetch = fetch or (lambda url: urllib.request.urlopen(url, timeout=5).read().decode())
-        self._prev: dict[str, tuple[float, dict, dict]] = {}  # url -> (requests, TTFT buckets, ITL buckets)
+        self._prev: dict[str, tuple[float, dict, dict, Load]] = {}  # url -> (requests, TTFT, ITL buckets, finished)
 
     def observe(self) -> Observation:
         pages, failed = {}, {}
@@ -301,9 +316,10 @@ class MetricsWatcher:
                 failed[url] = exc
         if failed and not pages:
             raise OSError("; ".join(f"{url}: {exc}" for url, exc in failed.items()))
-        requests, ttft, itl, gauges = 0.0, {}, {}, {}
+        requests, ttft, itl, gauges, finished = 0.0, {}, {}, {}, Load()
         for url, samples in pages.items():
-            now = (sum(v for n, _, v in samples if n == REQUESTS_TOTAL), _buckets(samples, TTFT), _buckets(samples, ITL))
+            now = (sum(v for n, _, v in samples if n == REQUESTS_TOTAL), _buckets(samples, TTFT),
+                   _buckets(samples, ITL), _finished(samples))
             before = self._prev.get(url)
             self._prev[url] = now
             for n, labels, v in samples:
@@ -312,6 +328,7 @@ class MetricsWatcher:
             if before is None or now[0] < before[0]:  # new, or restarted (its counters went back)
                 continue
             requests += now[0] - before[0]
+            finished += now[3] - before[3]
             for acc, cur, old in ((ttft, now[1], before[1]), (itl, now[2], before[2])):
                 for le, c in cur.items():
                     acc[le] = acc.get(le, 0.0) + c - old.get(le, 0.0)
@@ -320,7 +337,7 @@ class MetricsWatcher:
                    for s in ("gateway", "decode")}
         return Observation(requests=int(requests), ttft_p90_s=histogram_p90(ttft, {}),
                            itl_p90_s=histogram_p90(itl, {}), prefill_waiting=waiting["gateway"],
-                           decode_waiting=waiting["decode"])
+                           decode_waiting=waiting["decode"], finished=finished)
 
 
 class LiveAutoscaler:
@@ -372,23 +389,32 @@ def add_policy_args(g, what: str, startup_s: float) -> None:
                    help=f"reactive: one {what} at a time when an SLO is missed (a few {what}s); forecast: each pool "
                         "sized for the forecast load (a fleet)")
     g.add_argument("--capacity", default=None, metavar="PREFILL_RPS,DECODE_RPS",
-                   help=f"forecast: req/s one {what} of each pool carries within the SLOs (pdserve plan prints it)")
+                   help=f"forecast: req/s one {what} of each pool carries within the SLOs (pdserve plan prints it "
+                        "for the load it searched); default: each pool sized from --profile and the mix of the "
+                        "requests that finished lately")
+    g.add_argument("--profile", dest="sizer_profile", default=None, metavar="FILE",
+                   help=f"forecast: the engine profile of one {what} (pdserve profile; default: the one shipped "
+                        "for this machine)")
     g.add_argument("--startup-s", type=float, default=startup_s,
                    help=f"forecast: seconds from adding a {what} until it serves (how far ahead to forecast)")
     g.add_argument("--headroom", type=float, default=0.1, help="forecast: capacity above the forecast")
 
 
-def forecast_scaler(args, config: AutoscaleConfig, command: str) -> ForecastScaler:
+def forecast_scaler(args, config: AutoscaleConfig, command: str, kv_path: str = "shm") -> ForecastScaler:
     """The ForecastScaler of `--policy forecast` (a bad flag: one line naming it, no traceback)."""
     if config.colocated:
         raise SystemExit(f"{command}: --policy forecast sizes a prefill and a decode pool; colocated mode has one")
-    if not args.capacity:
-        raise SystemExit(f"{command}: --policy forecast needs --capacity PREFILL_RPS,DECODE_RPS (pdserve plan prints it)")
     try:
-        return ForecastScaler(Capacity.parse(args.capacity), interval_s=config.interval_s, startup_s=args.startup_s,
+        if args.capacity:
+            sizer = Capacity.parse(args.capacity)
+        else:  # the SLO is on ITL p90, a streamed event's gap: the profile's decode fit is per token
+            profile = load_profile(args.sizer_profile)
+            sizer = ProfileSizer(profile, config.slo_ttft_p90_s, config.slo_itl_p90_s / profile.tokens_per_event,
+                                 attainment=0.9, kv_path=kv_path)
+        return ForecastScaler(sizer, interval_s=config.interval_s, startup_s=args.startup_s,
                               headroom=args.headroom, min_workers=(config.min_prefill, config.min_decode),
                               max_workers=(config.max_prefill, config.max_decode), budget=config.budget)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         raise SystemExit(f"{command}: {exc}") from None
 
 

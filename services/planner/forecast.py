@@ -3,13 +3,13 @@
 The live planner of `pdserve up --autoscale` reacts to missed SLOs one worker at a time, which suits
 a host with a handful of processes. A fleet of a hundred workers whose traffic swings through the
 day needs what Dynamo's SLA planner does instead: know what one worker sustains within the SLOs
-(from the profile: here, the simulator's search at the peak), forecast the load, and set each pool
-to forecast ÷ capacity — early enough that the workers have loaded their model when the load comes.
+(from the engine profile and the requests' mix), forecast the load, and set each pool to what the
+forecast needs — early enough that the workers have loaded their model when the load comes.
 
     every interval:  rate of the last interval → linear trend over the last `history` intervals
                      (where it stands out of the noise) → its highest rate between the next
                      interval and `startup_s + interval_s` ahead,
-                     × (1 + headroom), + each pool's backlog ÷ interval → workers per pool
+                     × (1 + headroom), + each pool's backlog ÷ interval → the sizer: workers per pool
 
 The backlog term is what keeps a forecast's miss from lasting: a pool that fell behind holds a queue
 that the forecast rate alone would never clear, and TTFT grows with it for the rest of the run. A
@@ -22,6 +22,14 @@ flip between two counts; a brief dip does not drain workers the next minute need
 pool within [min, max], both within the budget (if the forecast exceeds it, both pools get their
 share of the budget and the SLOs are at risk, which the run reports).
 
+How many workers a rate needs comes from a sizer:
+  * `Capacity`: req/s one worker of each pool carries, given (`pdserve plan` prints it for the load
+    it searched) — right for that load's mix of requests and no other;
+  * `ProfileSizer` (the default): from the engine profile and the mix of the requests that finished
+    lately (their prefill seconds, prompt and output tokens, as the gateway's counters show them), a
+    queueing model per pool — nothing searched or given by hand, and it follows a change of mix
+    (documents instead of chat) that a fixed req/s per worker would get wrong.
+
 `ForecastScaler` is the simulator's `Scaler` (shared/sim/cluster.py): it sees only the arrivals so
 far, never the trace ahead.
 """
@@ -31,6 +39,11 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from statistics import NormalDist
+from typing import Protocol
+
+from shared.sim.cost import Profile
+from shared.sim.workload import Load, Mix
 
 
 @dataclass(frozen=True)
@@ -60,10 +73,131 @@ class Capacity:
             raise ValueError("capacity: need a positive rate and at least one worker per pool")
         return cls(rate / prefill, rate / decode)
 
+    def workers(self, pool: int, rate: float, mix: Mix | None) -> int:
+        return math.ceil(rate / (self.prefill_rps, self.decode_rps)[pool] - 1e-9)
+
+    def describe(self) -> dict:
+        return {"capacity_rps_per_worker": {"prefill": self.prefill_rps, "decode": self.decode_rps}}
+
+    def __str__(self) -> str:
+        return f"{self.prefill_rps:g} and {self.decode_rps:g} req/s a prefill and a decode worker"
+
+
+class Sizer(Protocol):
+    def workers(self, pool: int, rate: float, mix: Mix | None) -> int | None:
+        """Workers pool 0 (prefill) or 1 (decode) needs for `rate` req/s of `mix` within the SLOs
+        (None: it cannot tell yet — no request has finished)."""
+        ...
+
+    def describe(self) -> dict: ...  # for a results file
+
+    def __str__(self) -> str: ...  # for a log line
+
+
+def _erlang_c(c: int, a: float, b_prev: float) -> tuple[float, float]:
+    """(Erlang C, Erlang B) for c servers at offered load a, from Erlang B at c − 1 (B(0) = 1)."""
+    b = a * b_prev / (c + a * b_prev)
+    return (c * b / (c - a * (1 - b)) if c > a else 1.0), b
+
+
+def _servers(a: float, late: callable, target: float, limit: int = 1_000_000) -> int:
+    """The fewest servers c (an M/M/c queue at offered load `a` Erlangs) with late(c, C(c)) <= target."""
+    b, c = 1.0, 0
+    while c < limit:
+        c += 1
+        erlang_c, b = _erlang_c(c, a, b)
+        if c > a and late(c, erlang_c) <= target:
+            return c
+    return limit
+
+
+@dataclass(frozen=True)
+class ProfileSizer:
+    """Workers per pool from the engine profile and the recent mix, within the SLOs met by
+    `attainment` of requests — what Dynamo's SLA planner reads off its pre-deployment profile, here
+    with the queueing each pool does:
+
+      prefill  an M/M/c queue: a request's TTFT is its wait for a worker plus its own prefill
+               (the mix's mean prefill seconds); the fewest workers with P(TTFT > SLO) within
+               1 − attainment. A pool of many workers runs nearer full than one of two.
+      decode   the larger of two needs. Batch: the most sequences one step may hold with its time
+               per token within the TPOT SLO (the profile's decode fit at the mix's mean context,
+               prompt + output/2) and their KV in the block budget, less z·√B for the batch's
+               Poisson swing; a worker then carries B ÷ (output tokens × step) req/s (Little).
+               Intake: each worker reads one job's KV at a time (the prompt's bytes over
+               `kv_path`), an M/M/c queue whose wait may use the TPOT slack of the request's
+               output tokens.
+
+    It prices what the profile prices: a profile measured on other hardware than the fleet's, or a
+    gateway whose prefill seconds include borrowed cores, sizes the pools by those."""
+
+    profile: Profile
+    slo_ttft_s: float
+    slo_tpot_s: float
+    attainment: float = 0.95
+    kv_path: str = "network"
+
+    def __post_init__(self) -> None:
+        if not (self.slo_ttft_s > 0 and self.slo_tpot_s > 0 and 0.5 <= self.attainment < 1):
+            raise ValueError("profile sizer: need positive SLOs and 0.5 <= attainment < 1")
+
+    def __str__(self) -> str:
+        return (f"each pool sized from the profile of {self.profile.meta.get('model', '?')} and the recent "
+                f"requests' mix ({self.attainment:.0%} within the SLOs)")
+
+    def describe(self) -> dict:
+        return {"sizer": "profile", "model": self.profile.meta.get("model"), "slo_ttft_s": self.slo_ttft_s,
+                "slo_tpot_s": self.slo_tpot_s, "attainment": self.attainment, "kv_path": self.kv_path}
+
+    def workers(self, pool: int, rate: float, mix: Mix | None) -> int | None:
+        if mix is None:
+            return None
+        if rate <= 0:
+            return 0
+        return self.prefill_workers(rate, mix) if pool == 0 else self.decode_workers(rate, mix)
+
+    def prefill_workers(self, rate: float, mix: Mix) -> int:
+        s = max(mix.prefill_s, 1e-6)
+        mu, t = 1 / s, max(0.0, self.slo_ttft_s - self.profile.request_overhead_s)
+        late_cap = 1 - self.attainment
+
+        def late(c: int, erlang_c: float) -> float:
+            """P(wait + service > t): the wait is 0, or (with probability C) Exp(μ(c − a)); service ~ Exp(μ)."""
+            a_rate = mu * (c - rate * s)
+            both = (math.exp(-mu * t) if abs(a_rate - mu) < 1e-9 * mu * (1 + mu * t) else
+                    (mu * math.exp(-a_rate * t) - a_rate * math.exp(-mu * t)) / (mu - a_rate))
+            return (1 - erlang_c) * math.exp(-mu * t) + erlang_c * both
+
+        if math.exp(-mu * t) > late_cap:  # the prompts alone outlast the SLO too often: queue seldom
+            return _servers(rate * s, lambda c, erlang_c: erlang_c, late_cap)
+        return _servers(rate * s, late, late_cap)
+
+    def batch(self, mix: Mix) -> tuple[int, float]:
+        """(sequences a decode worker holds at once, its step's seconds per token there)."""
+        d, lim = self.profile.decode, self.profile.limits
+        per_seq = d.per_seq_s + d.per_ctx_token_s * (mix.prompt_tokens + mix.output_tokens / 2)
+        by_step = math.floor((self.slo_tpot_s - d.base_s) / per_seq) if self.slo_tpot_s > d.base_s else 1
+        by_kv = lim.num_kv_blocks // max(1, math.ceil((mix.prompt_tokens + mix.output_tokens) / lim.block_size))
+        most = max(1, min(by_step, by_kv, lim.max_num_seqs))
+        z = NormalDist().inv_cdf(self.attainment)
+        b = max(1, math.floor(((math.sqrt(z * z + 4 * most) - z) / 2) ** 2))  # b + z·√b <= most
+        return b, d.base_s + b * per_seq
+
+    def decode_workers(self, rate: float, mix: Mix) -> int:
+        b, step = self.batch(mix)
+        by_batch = math.ceil(rate * mix.output_tokens * step / b - 1e-9)
+        lim = self.profile.limits
+        kv = math.ceil(mix.prompt_tokens / lim.block_size) * lim.kv_bytes_per_block
+        read = self.profile.transfer_time(self.kv_path, kv)[1]
+        slack = max(0.0, self.slo_tpot_s - step) * max(0.0, mix.output_tokens - 1)
+        by_intake = _servers(rate * read, lambda c, erlang_c: erlang_c * math.exp(-(c - rate * read) * slack / read),
+                             1 - self.attainment)
+        return max(by_batch, by_intake)
+
 
 @dataclass
 class ForecastScaler:
-    capacity: Capacity
+    sizer: Sizer
     interval_s: float = 60.0
     startup_s: float = 120.0  # a worker's GPUs are paid for from the decision; it serves this much later
     headroom: float = 0.10
@@ -73,10 +207,14 @@ class ForecastScaler:
     max_workers: tuple[int, int] = (10_000, 10_000)
     budget: int = 20_000  # prefill + decode workers
     queue_per_worker: float = 2.0  # waiting jobs per worker of a pool that are not yet backlog
+    mix_requests: int = 200  # the mix: of the latest intervals that finished this many (a change shows soon)
     rates: deque = field(default_factory=deque)  # observed req/s, one per interval
+    loads: deque = field(default_factory=deque)  # finished work, one Load per interval (the mix's window)
+    mix: Mix | None = None  # of the requests finished lately (the last known, if none were)
     current: list[int] | None = None  # the fleet as it stands (set it to start from a running fleet)
     lower: list[list[int]] = field(default_factory=lambda: [[], []])  # recent lower wants per pool
     _last: tuple[float, int] | None = None
+    _last_load: Load | None = None
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0 or self.startup_s < 0 or self.headroom < 0 or self.history < 2 or self.down_after < 1:
@@ -109,26 +247,45 @@ class ForecastScaler:
         return max(0.0, my + slope * (n - 1 - mx + (ahead if slope > 0 else 1.0)))
 
     def targets_for(self, now: float, arrived: int, waiting: tuple[int, int], have: list[int], leaving: int,
-                    budget: int) -> tuple[int, int]:
+                    budget: int, load: Load | None = None) -> tuple[int, int]:
         """`targets` for a fleet that stands at `have` workers per pool (changed outside or not),
         with `leaving` more still draining: they hold part of `budget` until they are gone."""
         self.current = list(have)
         self.budget = max(sum(self.min_workers), budget - leaving)
-        return self.targets(now, arrived, waiting)
+        return self.targets(now, arrived, waiting, load)
 
-    def targets(self, now: float, arrived: int, waiting: tuple[int, int] = (0, 0)) -> tuple[int, int]:
-        """Workers wanted per pool, from the arrivals so far and the jobs waiting for each pool now."""
+    def _observe_mix(self, load: Load | None) -> None:
+        if load is None:
+            return
+        if self._last_load is not None:
+            self.loads.append(load - self._last_load)
+            while len(self.loads) > self.history:
+                self.loads.popleft()
+            window = Load()  # the latest intervals that hold `mix_requests` between them (or all of them)
+            for past in reversed(self.loads):
+                window += past
+                if window.finished >= self.mix_requests and window.prefilled >= self.mix_requests:
+                    break
+            self.mix = Mix.of(window) or self.mix
+        self._last_load = load
+
+    def targets(self, now: float, arrived: int, waiting: tuple[int, int] = (0, 0),
+                load: Load | None = None) -> tuple[int, int]:
+        """Workers wanted per pool, from the arrivals so far, the jobs waiting for each pool now
+        and the work finished so far (`load`: running totals; the profile sizer needs it)."""
         if self._last is not None and now > self._last[0]:
             self.rates.append((arrived - self._last[1]) / (now - self._last[0]))
             while len(self.rates) > self.history:
                 self.rates.popleft()
         self._last = (now, arrived)
+        self._observe_mix(load)
         if not self.rates:  # nothing observed yet: keep the fleet as it is
             self.current = list(self.current or self.min_workers)
             return tuple(self.current)
         rate = self.forecast() * (1 + self.headroom)
         want = [rate + max(0.0, q - self.queue_per_worker * n) / self.interval_s for q, n in zip(waiting, self.current)]
-        need = [math.ceil(want[0] / self.capacity.prefill_rps - 1e-9), math.ceil(want[1] / self.capacity.decode_rps - 1e-9)]
+        need = [self.sizer.workers(i, w, self.mix) for i, w in enumerate(want)]
+        need = [self.current[i] if n is None else n for i, n in enumerate(need)]  # no mix known yet: as it is
         need = [min(max(n, lo), hi) for n, lo, hi in zip(need, self.min_workers, self.max_workers)]
         if sum(need) > self.budget:  # each pool its share of the budget
             scale = self.budget / sum(need)

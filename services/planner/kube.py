@@ -8,9 +8,10 @@ counts written to the prefill and decode Deployments' scale subresource:
                      → Autoscaler.step → PATCH deployments/<pool>/scale {"spec": {"replicas": n±1}}
 
 `--policy forecast` is the fleet's policy instead (services/planner/forecast.py, the one the
-planning study of BENCHMARKS.md measures): each pool set to the request rate forecast a startup
-ahead ÷ what one worker carries within the SLOs (`--capacity`, as `pdserve plan` prints it), plus
-any backlog — many pods at once, where the reactive policy moves one at a time.
+planning study of BENCHMARKS.md measures): each pool set to what the request rate forecast a
+startup ahead, plus any backlog, needs within the SLOs — sized from one pod's engine profile
+(`--profile`) and the finished requests' mix, or by a fixed req/s per pod (`--capacity`, as `pdserve
+plan` prints it) — many pods at once, where the reactive policy moves one at a time.
 
 A removal drains as a local one does: Kubernetes sends the pod it picks SIGTERM, and a worker
 stops taking jobs, finishes what it holds and exits (within terminationGracePeriodSeconds). The
@@ -237,7 +238,7 @@ def add_planner_args(p: argparse.ArgumentParser) -> None:
 
 
 def planner_from_args(args, config: AutoscaleConfig) -> KubePlanner | ForecastKubePlanner:
-    scaler = forecast_scaler(args, config, "pdserve planner") if args.policy == "forecast" else None
+    scaler = forecast_scaler(args, config, "pdserve planner", kv_path="network") if args.policy == "forecast" else None
     if args.kube_api:
         client = KubeClient(args.kube_api, args.namespace or "default", args.kube_token_file, args.kube_ca_file)
     else:

@@ -4,11 +4,12 @@ report what `pdserve bench` would (same JSON shape: runs[].summary), plus cost p
     pdserve simulate --workload chat --prefill 1 --decode 1 --duration 60 --request-rate 0.5 --json -
     pdserve simulate --trace mooncake.jsonl --prefill 300 --decode 700 --profile gpu.json --json out.json
     pdserve simulate --workload interference --max-concurrency 4 --duration 30 --long-interval 5
-    pdserve simulate --trace day.jsonl --prefill 90 --decode 35 --scale-capacity 3.97,10.2 --startup-s 120
+    pdserve simulate --trace day.jsonl --prefill 90 --decode 35 --scale --slo-ttft-ms 4000 --slo-tpot-ms 40
 
-With `--scale-capacity`, the pools change size while it runs: the forecast planner of `pdserve
-planner --policy forecast` (services/planner/forecast.py) decides every `--scale-interval`, starting
-from --prefill / --decode; cost is the GPU time each worker was held.
+With `--scale`, the pools change size while it runs: the forecast planner of `pdserve planner
+--policy forecast` (services/planner/forecast.py) decides every `--scale-interval`, starting from
+--prefill / --decode, each pool sized from the profile and the mix of the requests finished so far
+(`--scale-capacity` gives a fixed req/s per worker instead); cost is the GPU time each worker was held.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from services.bench.workloads import WORKLOADS, Workload, parse_range
-from services.planner.forecast import Capacity, ForecastScaler
+from services.planner.forecast import Capacity, ForecastScaler, ProfileSizer
 from shared.sim.cluster import MODES, ClosedLoop, ClusterConfig, simulate
 from shared.sim.cost import Profile, load_profile
 from shared.sim.workload import bench_request, poisson_requests, read_trace
@@ -50,9 +51,14 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="per decode worker")
     g = p.add_argument_group("a fleet resized while it runs (the forecast planner)")
+    g.add_argument("--scale", action="store_true",
+                   help="resize the pools while it runs: each sized for the forecast load from the profile and the "
+                        "finished requests' mix, within --slo-ttft-ms and --slo-tpot-ms")
     g.add_argument("--scale-capacity", default=None, metavar="PREFILL_RPS,DECODE_RPS",
-                   help="req/s one worker of each pool carries within the SLOs (pdserve plan prints it); "
-                        "turns resizing on")
+                   help="resize them by req/s one worker of each pool carries within the SLOs instead (pdserve plan "
+                        "prints it for the load it searched); implies --scale")
+    g.add_argument("--scale-attainment", type=float, default=95.0,
+                   help="--scale: the percentage of requests the profile sizer keeps within each SLO")
     g.add_argument("--scale-interval", type=float, default=60.0, help="seconds between decisions")
     g.add_argument("--startup-s", type=float, default=120.0, help="seconds from adding a worker until it serves")
     g.add_argument("--headroom", type=float, default=0.1, help="capacity above the forecast")
@@ -88,12 +94,20 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
                          num_kv_blocks=args.num_kv_blocks)
 
 
-def make_scaler(args: argparse.Namespace, config: ClusterConfig) -> ForecastScaler | None:
-    """A fresh forecast planner for one run (it keeps state), or None without --scale-capacity."""
-    if not getattr(args, "scale_capacity", None):
+def make_scaler(args: argparse.Namespace, config: ClusterConfig, profile: Profile) -> ForecastScaler | None:
+    """A fresh forecast planner for one run (it keeps state), or None without --scale / --scale-capacity."""
+    if not (getattr(args, "scale", False) or getattr(args, "scale_capacity", None)):
         return None
+    if args.scale_capacity:
+        sizer = Capacity.parse(args.scale_capacity)
+    elif args.slo_ttft_ms is None or args.slo_tpot_ms is None:
+        raise ValueError("--scale sizes the pools for the SLOs: give --slo-ttft-ms and --slo-tpot-ms "
+                         "(or --scale-capacity)")
+    else:
+        sizer = ProfileSizer(profile, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, args.scale_attainment / 100,
+                             kv_path=config.kv_path)
     start = [config.prefill if config.mode != "colocated" else 1, config.decode]
-    return ForecastScaler(Capacity.parse(args.scale_capacity), interval_s=args.scale_interval, startup_s=args.startup_s,
+    return ForecastScaler(sizer, interval_s=args.scale_interval, startup_s=args.startup_s,
                           headroom=args.headroom, current=start, budget=args.max_workers,
                           max_workers=(args.max_workers, args.max_workers))
 
@@ -117,7 +131,7 @@ def run_simulation(args: argparse.Namespace, profile: Profile, config: ClusterCo
     slo = dict(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
     if args.trace:
         return [_run("trace", math.nan, None, simulate(profile, config, request_list(args), **slo,
-                                                        scaler=make_scaler(args, config)))]
+                                                        scaler=make_scaler(args, config, profile)))]
     if args.workload == "interference":
         if args.duration is None:
             raise ValueError("the interference workload needs --duration (and --max-concurrency chat streams)")
@@ -134,13 +148,13 @@ def run_simulation(args: argparse.Namespace, profile: Profile, config: ClusterCo
             closed = ClosedLoop(lambda i, first=k * RUN_INDEX_STRIDE: bench_request(chat, first + i, 0.0),
                                 args.max_concurrency, args.duration)
             summary = simulate(profile, config, arrivals, closed=closed, itl_from_s=args.warmup, **slo,
-                               scaler=make_scaler(args, config))
+                               scaler=make_scaler(args, config, profile))
             runs.append(_run(phase, math.inf, args.max_concurrency, summary))
         return runs
     reqs = request_list(args)
     label = f"rate {args.request_rate:g} req/s"
     return [_run(label, args.request_rate, None, simulate(profile, config, reqs, **slo,
-                                                          scaler=make_scaler(args, config)))]
+                                                          scaler=make_scaler(args, config, profile)))]
 
 
 def _run(label: str, rate: float, cap: int | None, summary: dict[str, Any]) -> dict[str, Any]:

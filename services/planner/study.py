@@ -7,6 +7,10 @@ each one's goodput per GPU?
                  the same split, resized every minute by the forecast planner (services/planner/
                  forecast.py): each pool's capacity per worker from the planned configuration at
                  the peak, the load forecast a startup ahead from the arrivals so far
+    … sized from the profile
+                 the same, but each pool sized by the profile sizer (forecast.ProfileSizer): from
+                 the profile and the mix of the requests finished lately, nothing from the search
+                 but the fleet it starts as
     static 1:1   disaggregated, as many prefill as decode workers (the smallest such pair that meets them)
     colocated    every worker does both, chunked prefill (the smallest count that meets them)
 
@@ -41,7 +45,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from services.planner.forecast import Capacity, ForecastScaler
+from services.planner.forecast import Capacity, ForecastScaler, ProfileSizer
 from services.planner.plan import Planner, PlanSpec
 from shared.sim.cluster import ClusterConfig, simulate
 from shared.sim.cost import load_profile
@@ -120,9 +124,13 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
         p = found["planned"]
         cap = Capacity.from_plan(len(search) / search_s, p.prefill, p.decode)
         # it starts as the planned fleet (sized for the peak) and follows the arrivals from there
-        for i, (room, startup) in enumerate(((headroom, startup_s),) + tuple(variants)):
-            name = "planned, scaled over the hour" + (f" (headroom {room:g}, startup {startup:g} s)" if i else "")
-            scalers[name] = ForecastScaler(cap, interval_s=interval_s, startup_s=startup, headroom=room,
+        sized = ProfileSizer(profile, slo_ttft_ms / 1e3, slo_tpot_ms / 1e3, attainment / 100, kv_path="network")
+        runs = [("planned, scaled over the hour", cap, headroom, startup_s),
+                ("planned, scaled over the hour, sized from the profile", sized, headroom, startup_s)]
+        runs += [(f"planned, scaled over the hour (headroom {room:g}, startup {startup:g} s)", cap, room, startup)
+                 for room, startup in variants]
+        for name, sizer, room, startup in runs:
+            scalers[name] = ForecastScaler(sizer, interval_s=interval_s, startup_s=startup, headroom=room,
                                            current=[p.prefill, p.decode], max_workers=(max_workers, max_workers),
                                            budget=max_workers)
             found[name] = p
@@ -141,7 +149,7 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
                       "max_gpus": sum(v["max_workers"] for v in cost.values()) * gpw,
                       "scaling": {"interval_s": interval_s, "startup_s": scaler.startup_s,
                                   "headroom": scaler.headroom,
-                                  "capacity_rps_per_worker": scaler.capacity.__dict__,
+                                  **scaler.sizer.describe(),
                                   "changes": s["scaling"]["changes"], "log": s["scaling"]["log"]} if scaler else None,
                       "chunk_budget": config.max_num_batched_tokens,
                       "gpus": gpus, "requests": s["sent"], "request_goodput": s["goodput"]["request_goodput"],
@@ -153,7 +161,7 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
                       "utilization": {k: v["utilization"] for k, v in s["cost"].items() if "utilization" in v}}
         log.info("%s: %s", name, rows[name])
     ratios = {}
-    for mine in ("planned", "planned, scaled over the hour"):
+    for mine in ("planned", "planned, scaled over the hour", "planned, scaled over the hour, sized from the profile"):
         for other in ("static 1:1", "colocated"):
             if rows.get(mine) and rows.get(other):
                 ratios[f"{mine}_vs_{other}"] = rows[mine]["goodput_per_gpu"] / rows[other]["goodput_per_gpu"]

@@ -41,7 +41,7 @@ from typing import Any, Protocol
 from shared.sim.cost import Profile
 from shared.sim.engine import SimEngine, SimSeq
 from shared.sim.metrics import Recorder
-from shared.sim.workload import SimRequest
+from shared.sim.workload import Load, SimRequest
 
 MODES = ("disaggregated", "colocated", "conditional")
 ARRIVE, STEP, KV_STORED, JOIN, RETRY, TICK, READY = range(7)
@@ -95,9 +95,10 @@ class Scaler(Protocol):
     interval_s: float  # a decision this often
     startup_s: float  # from a decision to add a worker until it takes jobs
 
-    def targets(self, now: float, arrived: int, waiting: tuple[int, int]) -> tuple[int, int]:
-        """(prefill, decode) workers wanted, from the arrivals so far and the jobs waiting now for a
-        worker of each pool — what a gateway's metrics show (colocated: prefill ignored)."""
+    def targets(self, now: float, arrived: int, waiting: tuple[int, int], load: Any = None) -> tuple[int, int]:
+        """(prefill, decode) workers wanted, from the arrivals so far, the jobs waiting now for a
+        worker of each pool and the finished work so far (`load`: services.planner.forecast.Load's
+        fields, running totals) — what a gateway's metrics show (colocated: prefill ignored)."""
         ...
 
 
@@ -177,6 +178,8 @@ class Cluster:
         self.max_events = 10**9
         self.now = 0.0
         self.arrived = 0
+        # work done, as the gateway's counters total it (what a scaler sizes the pools by): finished_load()
+        self.load = {"finished": 0, "prompt_tokens": 0, "output_tokens": 0, "prefilled": 0, "prefill_s": 0.0}
 
     def _new_worker(self, pool: str, t: float) -> SimEngine:
         """A worker of `pool` ("prefill" | "decode": in colocated mode the engine workers), alive from `t`."""
@@ -335,6 +338,11 @@ class Cluster:
             return
         prefill_only = w.role == "prefill"
         cached = self.cache.match(req) if self.cache is not None and req.prefix_keys else 0
+        self.load["prefilled"] += 1  # counted as its prefill starts (a gateway counts a request as it ends)
+        self.load["prompt_tokens"] += req.prompt_tokens
+        if not prefill_only:  # a whole request: its prompt's time alone (a prefill worker's steps count in full)
+            new = req.prompt_tokens - cached
+            self.load["prefill_s"] += self.profile.prefill_time(new, new * (cached + new / 2), 1)
         seq = SimSeq(rid, kind, req.prompt_tokens, cached, 1 if prefill_only else req.output_tokens,
                      prefill_only, cached)
         if cached:  # the prefix's blocks are read from the store first
@@ -434,12 +442,18 @@ class Cluster:
         waiting = (len(self.prefill_q), len(self.decode_q) + len(self.direct_q))
         if self.config.mode == "colocated":
             waiting = (0, waiting[0] + waiting[1])
-        prefill, decode = self.scaler.targets(t, self.arrived, waiting)
+        prefill, decode = self.scaler.targets(t, self.arrived, waiting, self.finished_load())
         changed = self.config.mode != "colocated" and self._scale("prefill", max(1, prefill), t)
         if self._scale("decode", max(1, decode), t) or changed:
             self.scale_log.append((t, self._count("prefill"), self._count("decode")))
         if self.heap:  # anything else still to happen: decide again later (else the run is over)
             self._push(t + self.scaler.interval_s, TICK, None)
+
+    def finished_load(self) -> Load:
+        """The work done so far, as a gateway's counters total it: the engine time of the prefill
+        workers' steps is all charged to prompts (as the real engines charge theirs)."""
+        steps = sum(w.busy_s for w in self.prefill_pool + self.retired if w.role == "prefill")
+        return Load(**(self.load | {"prefill_s": self.load["prefill_s"] + steps}))
 
     def _scale(self, kind: str, target: int, t: float) -> bool:
         """Add or drain workers of `kind` towards `target`; whether anything changed."""
@@ -493,6 +507,9 @@ class Cluster:
 
     def _finished(self, rid: int, t: float) -> None:
         self.rec.finish(rid, t)
+        req, load = self.reqs[rid], self.load
+        load["finished"] += 1
+        load["output_tokens"] += req.output_tokens
         if self.closed is not None and rid in self.closed_ids:
             self._closed_next(t)
 
@@ -578,5 +595,6 @@ def simulate(profile: Profile, config: ClusterConfig, arrivals: Iterable[SimRequ
     wall = time.perf_counter() - t0
     summary["sim"] = {"events": cluster.events, "wall_s": wall, "requests_per_wall_s": summary["sent"] / max(wall, 1e-9),
                       "mode": config.mode, "prefill": config.prefill if config.mode != "colocated" else 0,
-                      "decode": config.decode}
+                      "decode": config.decode,
+                      "load": cluster.finished_load().__dict__}
     return summary

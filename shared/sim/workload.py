@@ -17,7 +17,7 @@ import itertools
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from services.bench import workloads as bench_workloads  # the seeded generators, reused as they are
@@ -42,6 +42,41 @@ class SimRequest:
         if self.prompt_tokens < 1 or self.output_tokens < 1 or not self.arrival_s >= 0:
             raise ValueError(f"bad request: {self.prompt_tokens} prompt / {self.output_tokens} output tokens "
                              f"at {self.arrival_s} s")
+
+
+@dataclass
+class Load:
+    """Running totals over finished work, as a gateway's counters show them (the planner takes their
+    differences per interval)."""
+
+    finished: float = 0.0  # requests
+    output_tokens: float = 0.0  # theirs
+    prefilled: float = 0.0  # prompts counted in `prompt_tokens` and `prefill_s` (a gateway: the finished ones)
+    prompt_tokens: float = 0.0
+    prefill_s: float = 0.0  # engine seconds the prompts took (their uncached tokens)
+
+    def __sub__(self, other: Load) -> Load:
+        return Load(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
+
+    def __add__(self, other: Load) -> Load:
+        return Load(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+@dataclass(frozen=True)
+class Mix:
+    """The recent requests, per request: what sizing a pool for a rate needs to know of them."""
+
+    prefill_s: float
+    prompt_tokens: float
+    output_tokens: float
+
+    @classmethod
+    def of(cls, load: Load) -> Mix | None:
+        """The means over `load` (None: nothing finished in it)."""
+        if load.finished <= 0 or load.prefilled <= 0:
+            return None
+        return cls(load.prefill_s / load.prefilled, load.prompt_tokens / load.prefilled,
+                   max(1.0, load.output_tokens / load.finished))
 
 
 def bench_request(workload: bench_workloads.Workload, index: int, arrival_s: float) -> SimRequest:

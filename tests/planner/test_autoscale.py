@@ -3,11 +3,14 @@ queueing model of the two pools, with workers that take an interval to start and
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from services.planner.autoscale import (
     AutoscaleConfig, Autoscaler, LiveAutoscaler, MetricsWatcher, Observation, histogram_p90, parse_prometheus,
 )
+from shared.sim.workload import Load
 
 PREFILL_RATE, DECODE_RATE = 1.0, 1.5  # requests/s one worker of each pool serves
 
@@ -148,7 +151,10 @@ def test_metrics_watcher_reads_interval_percentiles_from_the_gateway_text():
         lines += [f'pdserve_time_to_first_token_seconds_bucket{{le="+Inf"}} {ttft_counts[-1]}',
                   f'pdserve_requests_total{{status="ok"}} {total}',
                   f'pdserve_requests_waiting{{service="gateway",instance="g"}} {waiting}',
-                  f'pdserve_requests_waiting{{service="decode",instance="d0"}} 1',
+                  'pdserve_requests_waiting{service="decode",instance="d0"} 1',
+                  f"pdserve_e2e_request_latency_seconds_count {total}",  # every request finished, here
+                  f"pdserve_prompt_tokens_total {100 * total}", f"pdserve_generation_tokens_total {20 * total}",
+                  f"pdserve_prefill_seconds_total {0.25 * total}",
                   "# HELP something", ]
         return "\n".join(lines)
 
@@ -157,6 +163,7 @@ def test_metrics_watcher_reads_interval_percentiles_from_the_gateway_text():
     watcher.observe()
     first = watcher.observe()
     assert (first.requests, first.ttft_p90_s, first.prefill_waiting, first.decode_waiting) == (10, 0.5, 3, 1)
+    assert first.finished == Load(finished=10, output_tokens=200, prefilled=10, prompt_tokens=1000, prefill_s=2.5)
     second = watcher.observe()  # 20 new observations: 2 ≤ 1.0 s, 18 in (1.0, 2.5]
     assert second.requests == 20 and second.ttft_p90_s == 2.5 and second.itl_p90_s is None
     assert histogram_p90({1.0: 0, float("inf"): 0}, {}) is None
@@ -243,3 +250,28 @@ def test_forecast_policy_on_local_workers_follows_a_step_and_stops():
     for kind in ("prefill", "decode"):  # no flip: per pool, every add before every drain
         actions = [d.action for d in policy.decisions if d.kind == kind]
         assert actions == sorted(actions, key=lambda a: a == "drain"), actions
+
+
+def test_forecast_policy_sized_from_the_profile_reads_the_mix_from_the_finished_requests():
+    """No --capacity: the pools are sized from the shipped CPU profile and what finished lately. The
+    same 1 req/s wants more prefill workers once the prompts take 1.2 s each instead of 0.3 s."""
+    from services.planner.autoscale import ForecastAutoscaler
+    from services.planner.forecast import ForecastScaler, ProfileSizer
+    from shared.sim.cost import load_profile
+
+    cluster = FakeCluster(5.0)
+    sizer = ProfileSizer(load_profile(None), slo_ttft_s=2.0, slo_tpot_s=0.25, attainment=0.9, kv_path="shm")
+    scaler = ForecastScaler(sizer, interval_s=5.0, startup_s=0.0, headroom=0.0, max_workers=(6, 4), budget=10)
+    policy = ForecastAutoscaler(scaler, cluster, {"prefill": ["prefill-0"], "decode": ["decode-0"]})
+
+    def interval(t, prefill_s):
+        obs = replace(cluster.interval(1.0), finished=Load(finished=5, output_tokens=5 * 40, prefilled=5,
+                                                           prompt_tokens=5 * 300, prefill_s=5 * prefill_s))
+        policy.step(obs, now=5.0 * t)
+        return policy.count("prefill")
+
+    short = [interval(t, 0.3) for t in range(6)]
+    long = [interval(t, 1.2) for t in range(6, 12)]
+    assert scaler.mix.prefill_s == pytest.approx(1.2) and scaler.mix.prompt_tokens == pytest.approx(300)
+    assert short[-1] < long[-1] <= 6
+    assert long[-1] >= 2  # 1 req/s of 1.2 s prompts: more than one worker's worth of prefill

@@ -6,9 +6,11 @@ from dataclasses import replace
 
 import pytest
 
-from services.planner.forecast import Capacity, ForecastScaler
+from services.planner.forecast import Capacity, ForecastScaler, ProfileSizer, _erlang_c, _servers
 from shared.sim.cluster import ClusterConfig, simulate
-from shared.sim.workload import poisson_requests
+from shared.sim.cost import load_profile
+from shared.sim.workload import Load, Mix, _trace_row, mooncake_shaped_trace, poisson_requests
+from tests.planner.test_study import ROOFLINE
 from tests.sim.test_simulator import PROFILE
 
 
@@ -83,3 +85,108 @@ def test_step_in_load_in_the_simulator_up_steady_then_down_to_the_minimum():
     fixed = simulate(PROFILE, ClusterConfig(prefill=max(p for _, p, _ in log), decode=max(d for *_, d in log)),
                      [replace(r) for r in quiet + busy])
     assert s["per_gpu"]["gpus"] < fixed["per_gpu"]["gpus"]
+
+
+# ------------------------------------------------------------------ sizing from the profile and the mix
+
+
+def stationary(rate, duration_s, seed):
+    """A Mooncake-shaped trace at a steady Poisson rate."""
+    return [_trace_row(row, 1.0) for row in mooncake_shaped_trace(duration_s, rate, seed)]
+
+
+def test_erlang_c_against_known_values():
+    b = 1.0
+    for c in (1, 2):
+        erlang_c, b = _erlang_c(c, 1.0, b)
+    assert erlang_c == pytest.approx(1 / 3)  # two servers at one Erlang: a third of arrivals wait
+    erlang_c, _ = _erlang_c(1, 0.5, 1.0)
+    assert erlang_c == pytest.approx(0.5)  # M/M/1: P(wait) = ρ
+    assert _servers(0.5, lambda c, ec: ec, 0.5) == 1 and _servers(0.5, lambda c, ec: ec, 0.11) == 2  # C(2, 0.5) = 0.1
+
+
+def test_profile_sizer_prefill_pools_big_pools_run_fuller_and_longer_prompts_need_more():
+    profile = load_profile(ROOFLINE)
+    sizer = ProfileSizer(profile, slo_ttft_s=4.0, slo_tpot_s=0.040, attainment=0.95)
+    chat = Mix(prefill_s=0.2, prompt_tokens=2000, output_tokens=200)
+    small, big = sizer.workers(0, 5.0, chat), sizer.workers(0, 500.0, chat)
+    assert small > 5.0 * 0.2 and big > 500 * 0.2  # never at or past full
+    assert 500 * 0.2 / big > 5.0 * 0.2 / small  # utilization: many workers share one queue
+    docs = replace(chat, prefill_s=0.6)
+    assert sizer.workers(0, 500.0, docs) > 2.5 * big
+    assert sizer.workers(0, 0.0, chat) == 0 and sizer.workers(0, 5.0, None) is None
+    # prompts that alone take near the SLO cannot be helped by workers: the pool is sized so they seldom queue
+    slow = replace(chat, prefill_s=3.0)
+    assert sizer.workers(0, 5.0, slow) >= 5.0 * 3.0
+
+
+def test_profile_sizer_decode_batch_within_the_tpot_slo_the_kv_budget_and_the_intake():
+    profile = load_profile(ROOFLINE)
+    mix = Mix(prefill_s=0.2, prompt_tokens=7590, output_tokens=182)
+    sizer = ProfileSizer(profile, slo_ttft_s=4.0, slo_tpot_s=0.040, attainment=0.95)
+    b, step = sizer.batch(mix)
+    d = profile.decode
+    per_seq = d.per_seq_s + d.per_ctx_token_s * (7590 + 91)
+    most = int((0.040 - d.base_s) / per_seq)
+    assert step == pytest.approx(d.base_s + b * per_seq) and step <= 0.040
+    assert b + 1.645 * b ** 0.5 <= most + 1e-9 and (b + 1) + 1.645 * (b + 1) ** 0.5 > most
+    # the TPOT SLO binds first here; a tighter KV budget binds instead
+    tight = replace(profile, limits=replace(profile.limits, num_kv_blocks=20 * 487))
+    assert ProfileSizer(tight, 4.0, 0.040).batch(mix)[0] < b
+    # the intake: each decode worker reads one job's KV at a time (2.5 GB over a 25 GB/s network:
+    # ~0.1 s), so no fewer than rate × 0.1 workers, whatever the batch allows
+    rate = 300.0
+    n = sizer.workers(1, rate, mix)
+    read = profile.transfer_time("network", -(-7590 // 16) * profile.limits.kv_bytes_per_block)[1]
+    assert n > rate * read and n >= rate * 182 * step / b
+    assert ProfileSizer(profile, 4.0, 0.040, kv_path="shm").workers(1, rate, mix) <= n
+
+
+def test_profile_sizer_sizes_a_fleet_that_meets_the_slos_in_the_simulator_without_much_to_spare():
+    """The sizer's counts for a stationary Mooncake-shaped load, then that fleet simulated: both SLOs
+    met by 95% — and a fleet a fifth smaller in either pool misses them."""
+    profile = load_profile(ROOFLINE)
+    reqs = stationary(40.0, 600.0, seed=3)
+    probe = simulate(profile, ClusterConfig(prefill=30, decode=30, kv_path="network"), [replace(r) for r in reqs])
+    load = probe["sim"]["load"]
+    mix = Mix.of(Load(**load))
+    sizer = ProfileSizer(profile, 4.0, 0.040, 0.95, kv_path="network")
+    p, d = sizer.workers(0, 40.0, mix), sizer.workers(1, 40.0, mix)
+
+    def attainment(p, d):
+        s = simulate(profile, ClusterConfig(prefill=p, decode=d, kv_path="network"), [replace(r) for r in reqs],
+                     slo_ttft_ms=4000, slo_tpot_ms=40)
+        return s["goodput"]["attainment_pct"]
+
+    assert attainment(p, d) >= 95.0, (p, d, mix)
+    assert attainment(int(p * 0.8), d) < 95.0 and attainment(p, int(d * 0.8)) < 95.0, (p, d, mix)
+
+
+def test_a_change_of_mix_the_profile_sizer_follows_and_a_fixed_capacity_does_not():
+    """Five minutes of chat-length prompts, then five of documents four times as long, at the same
+    rate: sized from the profile, the prefill pool grows with the prompts and, once the switch is
+    behind it, meets the SLOs again; with the req/s per worker that fit the chat, it never does."""
+    profile = load_profile(ROOFLINE)
+    short = [replace(r, prompt_tokens=max(16, r.prompt_tokens // 4), kind="chat",
+                     prefix_keys=r.prefix_keys[:r.prompt_tokens // 2048])  # whole 512-token blocks of the shorter prompt
+             for r in stationary(30.0, 300.0, seed=4)]
+    long = [replace(r, arrival_s=300.0 + r.arrival_s, kind="switch" if r.arrival_s < 150.0 else "settled")
+            for r in stationary(30.0, 300.0, seed=5)]
+
+    def run(sizer):
+        scaler = ForecastScaler(sizer, interval_s=30.0, startup_s=30.0, headroom=0.1, current=[4, 4],
+                                max_workers=(60, 60), budget=120)
+        s = simulate(profile, ClusterConfig(prefill=4, decode=4, kv_path="network"),
+                     [replace(r) for r in short + long], slo_ttft_ms=4000, slo_tpot_ms=40, scaler=scaler, check=True)
+        assert s["completed"] == s["sent"] == len(short) + len(long)
+        return s, {kind: k["goodput"]["attainment_pct"] for kind, k in s["by_kind"].items()}
+
+    sized, met = run(ProfileSizer(profile, 4.0, 0.040, 0.95, kv_path="network"))
+    log = sized["scaling"]["log"]
+    chat_prefill = max(p for t, p, _ in log if 120 < t <= 300)
+    assert min(p for t, p, _ in log if t > 330) > 2 * chat_prefill  # the pool follows the prompts
+    assert met["chat"] >= 95.0 and met["settled"] >= 95.0, met
+    # what the chat minutes' fleet carried, as a fixed req/s per worker: the same forecast, the same
+    # backlog term, and the documents never get the pool they need
+    fixed, fixed_met = run(Capacity(30.0 / chat_prefill, 30.0 / max(d for t, _, d in log if 120 < t <= 300)))
+    assert fixed_met["chat"] >= 95.0 and fixed_met["settled"] < 50.0, fixed_met

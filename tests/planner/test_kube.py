@@ -296,7 +296,9 @@ def test_forecast_policy_sizes_both_pools_at_once_from_the_arrivals(system):
 
 
 @pytest.mark.parametrize("flags, says", [(["--capacity", "0,5"], "must be positive"),
-                                         (["--capacity", "2"], "PREFILL_RPS,DECODE_RPS"), ([], "needs --capacity"),
+                                         (["--capacity", "2"], "PREFILL_RPS,DECODE_RPS"),
+                                         (["--profile", "/nonexistent/gpu.json"], "not found"),
+                                         (["--slo-itl-p90-ms", "-5"], "positive SLOs"),
                                          (["--capacity", "2,5", "--min-prefill", "0"], "1 <= min")])
 def test_forecast_policy_bad_flags_are_a_clear_error(flags, says):
     import subprocess
@@ -322,3 +324,20 @@ def test_forecast_policy_counts_terminating_pods_against_the_budget(system):
     kube.exit_terminating()
     interval(100)
     assert (kube.replicas["prefill"], kube.replicas["decode"]) == (10, 4)
+
+
+def test_up_forecast_policy_sizes_from_the_shipped_profile_unless_given_a_capacity():
+    import subprocess
+    import sys
+
+    def up(*flags):
+        return subprocess.run([sys.executable, "-m", "services.cli", "up", "--autoscale", "--policy", "forecast",
+                               "--dry-run", *flags], capture_output=True, text=True, timeout=60)
+
+    default = up()
+    assert default.returncode == 0 and "policy: forecast, each pool sized from the profile" in default.stdout
+    given = up("--capacity", "2,5")
+    assert "policy: forecast, 2 and 5 req/s a prefill and a decode worker" in given.stdout
+    missing = up("--profile", "/nonexistent/gpu.json")
+    assert missing.returncode != 0 and "not found" in missing.stdout + missing.stderr
+    assert "Traceback" not in missing.stdout + missing.stderr

@@ -250,7 +250,7 @@ class Scripted:
         self.schedule, self.interval_s, self.startup_s = schedule, interval_s, startup_s
         self.seen = []
 
-    def targets(self, now, arrived, waiting):
+    def targets(self, now, arrived, waiting, load=None):
         self.seen.append((now, arrived))
         return next((p, d) for t, p, d in reversed(self.schedule) if now >= t)
 
