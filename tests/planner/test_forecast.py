@@ -143,10 +143,10 @@ def test_profile_sizer_decode_batch_within_the_tpot_slo_the_kv_budget_and_the_in
 
 
 def test_profile_sizer_sizes_a_fleet_that_meets_the_slos_in_the_simulator_without_much_to_spare():
-    """The sizer's counts for a stationary Mooncake-shaped load, then that fleet simulated: both SLOs
-    met by 95% — and a fleet a fifth smaller in either pool misses them."""
+    """The sizer's counts for a steady Mooncake-shaped load (its mix measured by a simulation), then
+    that fleet simulated: both SLOs met by 95% of requests, and not by a worker fewer."""
     profile = load_profile(ROOFLINE)
-    reqs = stationary(40.0, 600.0, seed=3)
+    reqs = stationary(40.0, 300.0, seed=3)
     probe = simulate(profile, ClusterConfig(prefill=30, decode=30, kv_path="network"), [replace(r) for r in reqs])
     load = probe["sim"]["load"]
     mix = Mix.of(Load(**load))
@@ -159,7 +159,8 @@ def test_profile_sizer_sizes_a_fleet_that_meets_the_slos_in_the_simulator_withou
         return s["goodput"]["attainment_pct"]
 
     assert attainment(p, d) >= 95.0, (p, d, mix)
-    assert attainment(int(p * 0.8), d) < 95.0 and attainment(p, int(d * 0.8)) < 95.0, (p, d, mix)
+    # here (11 : 5) it is the least that meets them: one worker fewer in either pool misses them
+    assert attainment(p - 1, d) < 95.0 and attainment(p, d - 1) < 95.0, (p, d, mix)
 
 
 def test_a_change_of_mix_the_profile_sizer_follows_and_a_fixed_capacity_does_not():

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from tests.services.test_routing_e2e import ask, serving, wait_for
+from tests.services.test_routing_e2e import ask, document, serving, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -30,14 +30,15 @@ def busy_s(url: str, instance: str) -> float:
 
 
 @contextmanager
-def asking(url: str, users: int = 3, max_tokens: int = 24):
+def asking(url: str, users: int = 3, max_tokens: int = 24,
+           prompt=lambda u, i: f"User {u} asks: tell me about the number {i}."):
     """`users` clients asking back to back until the block ends: yields (answers, errors so far)."""
     stop, answers, errors = threading.Event(), [], []
 
     def user(u: int) -> None:
         while not stop.is_set():
             try:
-                answers.append(ask(url, f"User {u} asks: tell me about the number {len(answers)}.", max_tokens))
+                answers.append(ask(url, prompt(u, len(answers)), max_tokens))
             except Exception as exc:  # noqa: BLE001 — reported by the caller
                 errors.append(repr(exc))
 
@@ -73,15 +74,21 @@ def test_under_load_a_decode_worker_is_added_then_drained_when_traffic_stops(tmp
         assert ask(up.url, "What is the capital of France?")["choices"][0]["message"]["content"]
 
 
-def test_the_forecast_policy_sizes_the_decode_pool_from_the_arrivals(tmp_path):
-    # 0.2 req/s a decode worker: three users asking back to back want two; none want one
-    with serving(tmp_path, 2, "--autoscale", "--policy", "forecast", "--capacity", "100,0.2", "--startup-s", "0",
-                 "--headroom", "0", "--max-decode", "2", "--max-prefill", "1", "--autoscale-interval", "2",
+def test_the_forecast_policy_sizes_the_prefill_pool_from_the_profile_and_the_prompts(tmp_path):
+    """No --capacity: the pools are sized from the shipped profile and the finished requests' prefill
+    seconds. Two users sending ~700-token documents back to back keep more than one prefill
+    worker's worth of prompts within a 1 s TTFT: a second one is started; when they stop, drained."""
+    with serving(tmp_path, 2, "--autoscale", "--policy", "forecast", "--startup-s", "0", "--headroom", "0",
+                 "--max-prefill", "2", "--max-decode", "1", "--autoscale-interval", "2", "--slo-ttft-p90-ms", "1000",
                  "--speculative", "off") as up:
-        with asking(up.url, max_tokens=12) as (_, errors):
-            wait_for(lambda: "decode-1" in workers(up.url), "the added decode worker to be heard", 120)
+        assert "each pool sized from the profile" in up.log()
+        documents = lambda u, i: f"{document(100 * u + i)}\nSummarise the document above."  # noqa: E731
+        with asking(up.url, users=2, max_tokens=4, prompt=documents) as (_, errors):
+            wait_for(lambda: "prefill-1" in workers(up.url), "the added prefill worker to be heard", 120)
+            wait_for(lambda: busy_s(up.url, "prefill-1") > 0, "the added prefill worker to serve", 60)
         assert not errors, errors[:3]
-        wait_for(lambda: "decode-1 retired" in up.log(), "decode-1 to be drained and retired", 90)
+        wait_for(lambda: workers(up.url) == {"prefill-0", "decode-0"}, "the pool back at one worker", 90)
         decisions = re.findall(r"autoscale: ([+-]) (\w+) (\S+) \S* ?\(forecast", up.log())
-        assert decisions == [("+", "decode", "decode-1"), ("-", "decode", "decode-1")], decisions
+        assert decisions[0] == ("+", "prefill", "prefill-1") and decisions[-1][:2] == ("-", "prefill"), decisions
+        assert all(kind == "prefill" for _, kind, _ in decisions), decisions  # decode: one at most, as it was
         assert ask(up.url, "What is the capital of France?")["choices"][0]["message"]["content"]
