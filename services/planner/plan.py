@@ -9,8 +9,10 @@ prefill pool's doing, ITL the decode pool's — so each pool is sized on its own
     3. (P_min, D_min) together; while an SLO is missed, grow the pool that misses it
     4. colocated (and conditional, if asked): the fewest workers meeting both, per chunk budget
 
-Each count is found by doubling then bisection (the SLO metrics fall as a pool grows), so a plan
-over a 1,000-worker budget takes a few dozen simulations. Every configuration tried is kept, and
+Each count is found by bisection (the SLO metrics fall as a pool grows), bracketed by steps that
+double away from where the profile sizer (forecast.ProfileSizer: queueing models of the two pools,
+on the mix measured in one roomy simulation) puts it — when it is right, two or three simulations
+a pool. Every configuration tried is kept, and
 the answer lists the cheapest feasible ones with the reason each other one failed.
 """
 
@@ -25,9 +27,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from services.planner.forecast import Capacity
+from services.planner.forecast import Capacity, ProfileSizer
 from shared.sim.cluster import ClusterConfig, simulate
 from shared.sim.cost import Profile, load_profile
+from shared.sim.workload import Load, Mix
 
 log = logging.getLogger("pdserve.plan")
 
@@ -118,14 +121,35 @@ class Planner:
                      config.decode, config.max_num_batched_tokens, ttft, itl)
         return self.trials[config]
 
-    def smallest(self, make: Callable[[int], ClusterConfig], ok: Callable[[Trial], bool], hi: int) -> int | None:
-        """The least n in [1, hi] with ok(trial(make(n))), assuming ok is monotone in n."""
-        n = 1
-        while not ok(self.trial(make(n))):
+    def smallest(self, make: Callable[[int], ClusterConfig], ok: Callable[[Trial], bool], hi: int,
+                 guess: int | None = None) -> int | None:
+        """The least n in [1, hi] with ok(trial(make(n))), assuming ok is monotone in n: from 1 by
+        doubling, or from `guess` by steps that double away from it (a good guess: two or three
+        simulations), then bisection."""
+        if guess is None:
+            lo, n = 0, 1
+        else:
+            n = min(max(1, guess), hi)
+            step = 1
+            if ok(self.trial(make(n))):  # down until it fails
+                lo = n - step
+                while lo >= 1 and ok(self.trial(make(lo))):
+                    n, step = lo, 2 * step
+                    lo = n - step
+                lo = max(lo, 0)
+            else:  # up until it holds
+                lo = n
+                n = min(hi, n + step)
+                while not ok(self.trial(make(n))):
+                    if n >= hi:
+                        return None
+                    lo, step = n, 2 * step
+                    n = min(hi, n + step)
+        while guess is None and not ok(self.trial(make(n))):
             if n >= hi:
                 return None
-            n = min(hi, 2 * n)
-        lo = n // 2  # ok(n), not ok(lo) (or lo = 0)
+            lo, n = n, min(hi, 2 * n)
+        # ok(n), not ok(lo) (or lo = 0)
         while n - lo > 1:
             mid = (lo + n) // 2
             if ok(self.trial(make(mid))):
@@ -138,10 +162,11 @@ class Planner:
         spec = self.spec
         base = ClusterConfig(mode="disaggregated", kv_path=spec.kv_path, max_num_batched_tokens=chunk)
         big = max(1, spec.budget - 1)
+        guess = self.guess(replace(base, prefill=big, decode=big))
         p = self.smallest(lambda n: replace(base, prefill=n, decode=big),
-                          lambda t: t.ttft_ok, big)
+                          lambda t: t.ttft_ok, big, guess[0])
         d = self.smallest(lambda n: replace(base, prefill=big, decode=n),
-                          lambda t: t.itl_ok, big)
+                          lambda t: t.itl_ok, big, guess[1])
         if p is None or d is None:
             return None
         while p + d <= spec.budget:
@@ -153,6 +178,21 @@ class Planner:
             if not t.itl_ok:
                 d += max(1, d // 20)
         return None
+
+    def guess(self, roomy: ClusterConfig) -> tuple[int | None, int | None]:
+        """Where to start looking: what the profile sizer (forecast.ProfileSizer) says each pool needs
+        for this load's rate and mix, the mix measured on `roomy` (pools too big to queue)."""
+        reqs = self.arrivals()
+        span = max(r.arrival_s for r in reqs) - min(r.arrival_s for r in reqs)
+        mix = Mix.of(Load(**self.trial(roomy).summary["sim"]["load"]))
+        if mix is None or span <= 0:
+            return None, None
+        spec, tau = self.spec, self.profile.tokens_per_event
+        pct = spec.attainment_pct / 100 if spec.attainment_pct is not None else 0.9
+        sizer = ProfileSizer(self.profile, spec.slo_ttft_p90_ms / 1e3,
+                             min(self.slo_tpot_ms, spec.slo_itl_p90_ms / tau) / 1e3, pct, spec.kv_path)
+        rate = len(reqs) / span
+        return sizer.workers(0, rate, mix), sizer.workers(1, rate, mix)
 
     def plan_single_pool(self, mode: str, chunk: int | None) -> Trial | None:
         base = ClusterConfig(mode=mode, kv_path=self.spec.kv_path, max_num_batched_tokens=chunk)
