@@ -12,8 +12,8 @@ prefill pool's doing, ITL the decode pool's — so each pool is sized on its own
 Each count is found by bisection (the SLO metrics fall as a pool grows), bracketed by steps that
 double away from where the profile sizer (forecast.ProfileSizer: queueing models of the two pools,
 on the mix measured in one roomy simulation) puts it — when it is right, two or three simulations
-a pool. Every configuration tried is kept, and
-the answer lists the cheapest feasible ones with the reason each other one failed.
+a pool. Every configuration tried is kept, and the answer lists the cheapest feasible ones with the
+reason each other one failed.
 """
 
 from __future__ import annotations

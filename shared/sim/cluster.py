@@ -95,10 +95,10 @@ class Scaler(Protocol):
     interval_s: float  # a decision this often
     startup_s: float  # from a decision to add a worker until it takes jobs
 
-    def targets(self, now: float, arrived: int, waiting: tuple[int, int], load: Any = None) -> tuple[int, int]:
+    def targets(self, now: float, arrived: int, waiting: tuple[int, int], load: Load | None = None) -> tuple[int, int]:
         """(prefill, decode) workers wanted, from the arrivals so far, the jobs waiting now for a
-        worker of each pool and the finished work so far (`load`: services.planner.forecast.Load's
-        fields, running totals) — what a gateway's metrics show (colocated: prefill ignored)."""
+        worker of each pool and the work done so far (`load`: running totals) — what a gateway's
+        metrics show (colocated: prefill ignored)."""
         ...
 
 
@@ -178,7 +178,7 @@ class Cluster:
         self.max_events = 10**9
         self.now = 0.0
         self.arrived = 0
-        # work done, as the gateway's counters total it (what a scaler sizes the pools by): finished_load()
+        # work done, as the gateway's counters total it (what a scaler sizes the pools by): work_done()
         self.load = {"finished": 0, "prompt_tokens": 0, "output_tokens": 0, "prefilled": 0, "prefill_s": 0.0}
 
     def _new_worker(self, pool: str, t: float) -> SimEngine:
@@ -442,14 +442,14 @@ class Cluster:
         waiting = (len(self.prefill_q), len(self.decode_q) + len(self.direct_q))
         if self.config.mode == "colocated":
             waiting = (0, waiting[0] + waiting[1])
-        prefill, decode = self.scaler.targets(t, self.arrived, waiting, self.finished_load())
+        prefill, decode = self.scaler.targets(t, self.arrived, waiting, self.work_done())
         changed = self.config.mode != "colocated" and self._scale("prefill", max(1, prefill), t)
         if self._scale("decode", max(1, decode), t) or changed:
             self.scale_log.append((t, self._count("prefill"), self._count("decode")))
         if self.heap:  # anything else still to happen: decide again later (else the run is over)
             self._push(t + self.scaler.interval_s, TICK, None)
 
-    def finished_load(self) -> Load:
+    def work_done(self) -> Load:
         """The work done so far, as a gateway's counters total it: the engine time of the prefill
         workers' steps is all charged to prompts (as the real engines charge theirs)."""
         steps = sum(w.busy_s for w in self.prefill_pool + self.retired if w.role == "prefill")
@@ -596,5 +596,5 @@ def simulate(profile: Profile, config: ClusterConfig, arrivals: Iterable[SimRequ
     summary["sim"] = {"events": cluster.events, "wall_s": wall, "requests_per_wall_s": summary["sent"] / max(wall, 1e-9),
                       "mode": config.mode, "prefill": config.prefill if config.mode != "colocated" else 0,
                       "decode": config.decode,
-                      "load": cluster.finished_load().__dict__}
+                      "load": cluster.work_done().__dict__}
     return summary

@@ -46,7 +46,7 @@ class SimRequest:
 
 @dataclass
 class Load:
-    """Running totals over finished work, as a gateway's counters show them (the planner takes their
+    """Running totals of the work done, as a gateway's counters show them (a planner takes their
     differences per interval)."""
 
     finished: float = 0.0  # requests
