@@ -34,8 +34,8 @@ from typing import Protocol
 from services.planner.forecast import Capacity, ForecastScaler, ProfileSizer
 from shared.sim.cost import load_profile
 from shared.sim.workload import Load
-from shared.telemetry.names import (E2E, GENERATION_TOKENS, ITL, PREFILL_SECONDS, PROMPT_TOKENS, REQUESTS_TOTAL,
-                                    REQUESTS_WAITING, TTFT)
+from shared.telemetry.names import (E2E, GENAI_TPOT, GENERATION_TOKENS, ITL, PREFILL_SECONDS, PROMPT_TOKENS,
+                                    REQUESTS_RUNNING, REQUESTS_TOTAL, REQUESTS_WAITING, TTFT)
 
 log = logging.getLogger("pdserve.autoscale")
 
@@ -90,6 +90,8 @@ class Observation:
     prefill_waiting: float  # requests dispatched with no first token yet
     decode_waiting: float  # decode jobs waiting for a worker
     finished: Load = field(default_factory=Load)  # work finished in the interval (the profile sizer's mix)
+    tpot_mean_s: float | None = None  # the mean time per output token of the requests finished in it
+    decode_batch: float = 0.0  # sequences per decode worker at the scrape (mean over the workers)
 
 
 class Actuator(Protocol):
@@ -229,7 +231,8 @@ class ForecastAutoscaler(Workers):
         self.arrived += obs.requests
         self.load += obs.finished
         targets = self.scaler.targets_for(now, self.arrived, (round(obs.prefill_waiting), round(obs.decode_waiting)),
-                                          have, self.processes - sum(have), self.budget, self.load)
+                                          have, self.processes - sum(have), self.budget, self.load,
+                                          (obs.tpot_mean_s, obs.decode_batch))
         reason = f"forecast {self.scaler.forecast():.3g} req/s"
         made = []
         for kind, n in zip(KINDS, targets):  # drains first: a pool that grows may need their budget
@@ -305,7 +308,8 @@ class MetricsWatcher:
     def __init__(self, base_url: str | Callable[[], list[str]], fetch: Callable[[str], str] | None = None):
         self.urls = base_url if callable(base_url) else (lambda: [base_url])
         self.fetch = fetch or (lambda url: urllib.request.urlopen(url, timeout=5).read().decode())
-        self._prev: dict[str, tuple[float, dict, dict, Load]] = {}  # url -> (requests, TTFT, ITL buckets, finished)
+        # url -> (requests, TTFT buckets, ITL buckets, finished, (TPOT sum, count))
+        self._prev: dict[str, tuple[float, dict, dict, Load, tuple[float, float]]] = {}
 
     def observe(self) -> Observation:
         pages, failed = {}, {}
@@ -316,28 +320,33 @@ class MetricsWatcher:
                 failed[url] = exc
         if failed and not pages:
             raise OSError("; ".join(f"{url}: {exc}" for url, exc in failed.items()))
-        requests, ttft, itl, gauges, finished = 0.0, {}, {}, {}, Load()
+        requests, ttft, itl, gauges, running, finished, tpot = 0.0, {}, {}, {}, {}, Load(), [0.0, 0.0]
         for url, samples in pages.items():
             now = (sum(v for n, _, v in samples if n == REQUESTS_TOTAL), _buckets(samples, TTFT),
-                   _buckets(samples, ITL), _finished(samples))
+                   _buckets(samples, ITL), _finished(samples),
+                   tuple(sum(v for n, _, v in samples if n == f"{GENAI_TPOT}_{part}") for part in ("sum", "count")))
             before = self._prev.get(url)
             self._prev[url] = now
             for n, labels, v in samples:
-                if n == REQUESTS_WAITING:
-                    gauges[tuple(sorted(labels.items()))] = v
+                if n in (REQUESTS_WAITING, REQUESTS_RUNNING):
+                    (gauges if n == REQUESTS_WAITING else running)[tuple(sorted(labels.items()))] = v
             if before is None or now[0] < before[0]:  # new, or restarted (its counters went back)
                 continue
             requests += now[0] - before[0]
             finished += now[3] - before[3]
+            tpot = [tpot[0] + now[4][0] - before[4][0], tpot[1] + now[4][1] - before[4][1]]
             for acc, cur, old in ((ttft, now[1], before[1]), (itl, now[2], before[2])):
                 for le, c in cur.items():
                     acc[le] = acc.get(le, 0.0) + c - old.get(le, 0.0)
         self._prev = {url: v for url, v in self._prev.items() if url in pages or url in failed}
         waiting = {s: sum(v for labels, v in gauges.items() if dict(labels).get("service") == s)
                    for s in ("gateway", "decode")}
+        decoding = [v for labels, v in running.items() if dict(labels).get("service") == "decode"]
         return Observation(requests=int(requests), ttft_p90_s=histogram_p90(ttft, {}),
                            itl_p90_s=histogram_p90(itl, {}), prefill_waiting=waiting["gateway"],
-                           decode_waiting=waiting["decode"], finished=finished)
+                           decode_waiting=waiting["decode"], finished=finished,
+                           tpot_mean_s=tpot[0] / tpot[1] if tpot[1] > 0 else None,
+                           decode_batch=sum(decoding) / len(decoding) if decoding else 0.0)
 
 
 class LiveAutoscaler:

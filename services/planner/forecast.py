@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from statistics import NormalDist
 from typing import Protocol
 
@@ -172,16 +172,23 @@ class ProfileSizer:
             return _servers(rate * s, lambda c, erlang_c: erlang_c, late_cap)
         return _servers(rate * s, late, late_cap)
 
+    def step(self, batch: float, mix: Mix) -> float:
+        """A decode step's seconds per token for `batch` sequences of the mix, by the profile alone."""
+        d = self.profile.decode
+        return d.base_s + batch * (d.per_seq_s + d.per_ctx_token_s * (mix.prompt_tokens + mix.output_tokens / 2))
+
     def batch(self, mix: Mix) -> tuple[int, float]:
-        """(sequences a decode worker holds at once, its step's seconds per token there)."""
-        d, lim = self.profile.decode, self.profile.limits
+        """(sequences a decode worker holds at once, its step's seconds per token there), the profile's
+        step scaled by what was observed (`mix.decode_factor`)."""
+        d, lim, f = self.profile.decode, self.profile.limits, mix.decode_factor
         per_seq = d.per_seq_s + d.per_ctx_token_s * (mix.prompt_tokens + mix.output_tokens / 2)
-        by_step = math.floor((self.slo_tpot_s - d.base_s) / per_seq) if self.slo_tpot_s > d.base_s else 1
+        slo = self.slo_tpot_s / f
+        by_step = math.floor((slo - d.base_s) / per_seq) if slo > d.base_s else 1
         by_kv = lim.num_kv_blocks // max(1, math.ceil((mix.prompt_tokens + mix.output_tokens) / lim.block_size))
         most = max(1, min(by_step, by_kv, lim.max_num_seqs))
         z = NormalDist().inv_cdf(self.attainment)
         b = max(1, math.floor(((math.sqrt(z * z + 4 * most) - z) / 2) ** 2))  # b + z·√b <= most
-        return b, d.base_s + b * per_seq
+        return b, f * (d.base_s + b * per_seq)
 
     def decode_workers(self, rate: float, mix: Mix) -> int:
         b, step = self.batch(mix)
@@ -211,6 +218,7 @@ class ForecastScaler:
     rates: deque = field(default_factory=deque)  # observed req/s, one per interval
     loads: deque = field(default_factory=deque)  # finished work, one Load per interval (the mix's window)
     mix: Mix | None = None  # of the requests finished lately (the last known, if none were)
+    decode_factor: float = 1.0  # observed decode step ÷ the profile's (a moving average; 1 until seen)
     current: list[int] | None = None  # the fleet as it stands (set it to start from a running fleet)
     lower: list[list[int]] = field(default_factory=lambda: [[], []])  # recent lower wants per pool
     _last: tuple[float, int] | None = None
@@ -247,12 +255,29 @@ class ForecastScaler:
         return max(0.0, my + slope * (n - 1 - mx + (ahead if slope > 0 else 1.0)))
 
     def targets_for(self, now: float, arrived: int, waiting: tuple[int, int], have: list[int], leaving: int,
-                    budget: int, load: Load | None = None) -> tuple[int, int]:
+                    budget: int, load: Load | None = None,
+                    decode_seen: tuple[float, float] | None = None) -> tuple[int, int]:
         """`targets` for a fleet that stands at `have` workers per pool (changed outside or not),
-        with `leaving` more still draining: they hold part of `budget` until they are gone."""
+        with `leaving` more still draining: they hold part of `budget` until they are gone.
+        `decode_seen`: (the interval's mean time per token, the mean sequences per decode worker),
+        from which the profile's decode step is corrected (`observe_decode`)."""
         self.current = list(have)
         self.budget = max(sum(self.min_workers), budget - leaving)
+        if decode_seen is not None:
+            self.observe_decode(*decode_seen)
         return self.targets(now, arrived, waiting, load)
+
+    def observe_decode(self, per_token_s: float | None, batch: float) -> None:
+        """Correct the profile's decode step by what a live stack shows, as Dynamo's planner corrects
+        its profile: the interval's mean time per token against the profile's step at the batch the
+        decode workers held. A moving average (half from each interval), within ×¼..×4; nothing for
+        an interval without decoding or before the mix is known. Prefill needs none: the gateway
+        measures prefill seconds themselves."""
+        step = getattr(self.sizer, "step", None)
+        if step is None or self.mix is None or per_token_s is None or not per_token_s > 0 or batch < 1:
+            return
+        seen = min(4.0, max(0.25, per_token_s / step(batch, self.mix)))
+        self.decode_factor = 0.5 * self.decode_factor + 0.5 * seen
 
     def _observe_mix(self, load: Load | None) -> None:
         if load is None:
@@ -284,7 +309,8 @@ class ForecastScaler:
             return tuple(self.current)
         rate = self.forecast() * (1 + self.headroom)
         want = [rate + max(0.0, q - self.queue_per_worker * n) / self.interval_s for q, n in zip(waiting, self.current)]
-        need = [self.sizer.workers(i, w, self.mix) for i, w in enumerate(want)]
+        mix = self.mix if self.mix is None else replace(self.mix, decode_factor=self.decode_factor)
+        need = [self.sizer.workers(i, w, mix) for i, w in enumerate(want)]
         need = [self.current[i] if n is None else n for i, n in enumerate(need)]  # no mix known yet: as it is
         need = [min(max(n, lo), hi) for n, lo, hi in zip(need, self.min_workers, self.max_workers)]
         if sum(need) > self.budget:  # each pool its share of the budget

@@ -41,6 +41,7 @@ from typing import Any
 from services.planner.autoscale import KINDS, AutoscaleConfig, LiveAutoscaler, MetricsWatcher, add_limit_args, \
     add_policy_args, forecast_scaler, limits_config
 from services.planner.forecast import ForecastScaler
+from shared.sim.workload import Load
 
 log = logging.getLogger("pdserve.planner")
 
@@ -191,6 +192,7 @@ class ForecastKubePlanner:
         self.budget = scaler.budget
         self.watcher = MetricsWatcher(lambda: actuator.gateway_urls(gateway, gateway_port))
         self.arrived = 0  # requests seen by the gateways since the planner started
+        self.load = Load()  # work they finished since then
         self._next: float | None = None
 
     def due(self) -> bool:
@@ -212,9 +214,11 @@ class ForecastKubePlanner:
         if self.scaler.current is not None and have != self.scaler.current:
             log.warning("planner: replicas are %s, the planner set %s: adopting them", have, self.scaler.current)
         self.arrived += obs.requests
+        self.load += obs.finished
         targets = dict(zip(KINDS, self.scaler.targets_for(now, self.arrived, (round(obs.prefill_waiting),
                                                                              round(obs.decode_waiting)),
-                                                          have, self.actuator.terminating(), self.budget)))
+                                                          have, self.actuator.terminating(), self.budget, self.load,
+                                                          (obs.tpot_mean_s, obs.decode_batch))))
         for kind, n in targets.items():
             if n != counts[kind]:
                 log.info("planner: %s %d -> %d (forecast %.3g req/s)", kind, counts[kind], n, self.scaler.forecast())

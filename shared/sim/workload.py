@@ -69,6 +69,8 @@ class Mix:
     prefill_s: float
     prompt_tokens: float
     output_tokens: float
+    # how much longer decode steps ran than the profile says, as observed (ITL at the batch seen)
+    decode_factor: float = 1.0
 
     @classmethod
     def of(cls, load: Load) -> Mix | None:

@@ -124,6 +124,8 @@ class Gateway:
 
     def __init__(self, ip: str, port: int):
         self.requests = self.waiting = self.count_itl = self.count_ttft = 0
+        self.prompt_tokens = self.output_tokens = self.prefill_s = self.tpot_sum = 0.0
+        self.decoding = 0  # sequences each decode worker holds, as the gauges say
         self.itl, self.ttft = dict.fromkeys(self.BUCKETS, 0), dict.fromkeys(self.BUCKETS, 0)
         gw = self
 
@@ -141,9 +143,15 @@ class Gateway:
         self.server = ThreadingHTTPServer((ip, port), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def serve(self, n: int, itl_s: float, ttft_s: float = 0.2) -> None:
-        """`n` more requests, each with 10 token gaps of `itl_s` and a first token after `ttft_s`."""
+    def serve(self, n: int, itl_s: float, ttft_s: float = 0.2, prompt: int = 100, output: int = 11,
+              prefill_s: float = 0.1) -> None:
+        """`n` more requests, each with 10 token gaps of `itl_s` and a first token after `ttft_s`,
+        finished with these token counts and prefill seconds (TPOT: `itl_s`)."""
         self.requests += n
+        self.prompt_tokens += n * prompt
+        self.output_tokens += n * output
+        self.prefill_s += n * prefill_s
+        self.tpot_sum += n * itl_s
         for b in self.BUCKETS:
             self.itl[b] += 10 * n if itl_s <= b else 0
             self.ttft[b] += n if ttft_s <= b else 0
@@ -153,7 +161,14 @@ class Gateway:
     def page(self) -> str:
         lines = [f'pdserve_requests_total{{status="ok"}} {self.requests}',
                  f'pdserve_requests_waiting{{service="gateway",instance="{id(self)}"}} {self.waiting}',
-                 'pdserve_requests_waiting{service="decode",instance="decode-0"} 0']
+                 'pdserve_requests_waiting{service="decode",instance="decode-0"} 0',
+                 f'pdserve_requests_running{{service="decode",instance="decode-0"}} {self.decoding}',
+                 f"pdserve_e2e_request_latency_seconds_count {self.requests}",
+                 f"pdserve_prompt_tokens_total {self.prompt_tokens}",
+                 f"pdserve_generation_tokens_total {self.output_tokens}",
+                 f"pdserve_prefill_seconds_total {self.prefill_s}",
+                 f'gen_ai_server_time_per_output_token_seconds_sum{{gen_ai_operation_name="chat"}} {self.tpot_sum}',
+                 f'gen_ai_server_time_per_output_token_seconds_count{{gen_ai_operation_name="chat"}} {self.requests}']
         for name, hist, total in (("pdserve_inter_token_latency_seconds", self.itl, self.count_itl),
                                   ("pdserve_time_to_first_token_seconds", self.ttft, self.count_ttft)):
             lines += [f'{name}_bucket{{le="{b}"}} {c}' for b, c in hist.items()]
@@ -293,6 +308,46 @@ def test_forecast_policy_sizes_both_pools_at_once_from_the_arrivals(system):
     assert kube.replicas["prefill"] == 1 and kube.replicas["decode"] == 1
     with pytest.raises(ValueError):
         Capacity(0.0, 1.0)
+
+
+def test_forecast_policy_sized_from_the_profile_reads_the_mix_and_corrects_decode_by_the_tpot_seen(system):
+    """No capacity given: `pdserve planner --policy forecast` sizes the Deployments from one pod's
+    profile (the 70B TP8 roofline) and the mix the gateways' counters show; when the requests' time
+    per token runs at twice what the profile says for the batch the decode pods hold, the decode
+    Deployment grows to match."""
+    from services.planner.forecast import ProfileSizer
+    from services.planner.kube import ForecastKubePlanner
+    from shared.sim.cost import load_profile
+    from shared.sim.workload import Mix
+    from tests.planner.test_study import ROOFLINE
+
+    kube, gateways, client, port = system
+    sizer = ProfileSizer(load_profile(ROOFLINE), slo_ttft_s=4.0, slo_tpot_s=0.040, attainment=0.95)
+    clock = [0.0]
+    scaler = ForecastScaler(sizer, interval_s=10.0, startup_s=10.0, headroom=0.0, history=3, max_workers=(200, 200),
+                            budget=400)
+    planner = ForecastKubePlanner(scaler, KubeActuator(client, {"prefill": "prefill", "decode": "decode"}),
+                                  "gateway", port, clock=lambda: clock[0])
+    mix = Mix(prefill_s=0.25, prompt_tokens=7000, output_tokens=180)
+    batch, step = sizer.batch(mix)
+
+    def interval(tpot_s):
+        for g in gateways:  # 2 × 500 requests per 10 s: 100 req/s
+            g.decoding = batch
+            g.serve(500, tpot_s, prompt=7000, output=180, prefill_s=0.25)
+        planner.tick()
+        clock[0] += scaler.interval_s
+
+    interval(step)  # the baseline
+    for _ in range(3):
+        interval(step)
+    want = (sizer.workers(0, 100.0, mix), sizer.workers(1, 100.0, mix))
+    assert (kube.replicas["prefill"], kube.replicas["decode"]) == want and want[0] > 20
+    assert scaler.decode_factor == pytest.approx(1.0, rel=0.01)
+    for _ in range(4):  # the same load, each token twice as slow as the profile's step at that batch
+        interval(2 * step)
+    assert scaler.decode_factor > 1.8
+    assert kube.replicas["prefill"] == want[0] and kube.replicas["decode"] > want[1]
 
 
 @pytest.mark.parametrize("flags, says", [(["--capacity", "0,5"], "must be positive"),
