@@ -102,6 +102,7 @@ class Planner:
         self.profile, self.spec, self.arrivals = profile, spec, arrivals
         self.slo_tpot_ms = slo_tpot_ms if slo_tpot_ms is not None else spec.slo_itl_p90_ms
         self.trials: dict[ClusterConfig, Trial] = {}
+        self.sized: dict[str, Any] | None = None  # what the profile sizer said, where the search started
 
     def trial(self, config: ClusterConfig) -> Trial:
         if config not in self.trials:
@@ -192,7 +193,9 @@ class Planner:
         sizer = ProfileSizer(self.profile, spec.slo_ttft_p90_ms / 1e3,
                              min(self.slo_tpot_ms, spec.slo_itl_p90_ms / tau) / 1e3, pct, spec.kv_path)
         rate = len(reqs) / span
-        return sizer.workers(0, rate, mix), sizer.workers(1, rate, mix)
+        p, d = sizer.workers(0, rate, mix), sizer.workers(1, rate, mix)
+        self.sized = {"prefill": p, "decode": d, "rate": rate, "mix": mix.__dict__}
+        return p, d
 
     def plan_single_pool(self, mode: str, chunk: int | None) -> Trial | None:
         base = ClusterConfig(mode=mode, kv_path=self.spec.kv_path, max_num_batched_tokens=chunk)
@@ -218,7 +221,7 @@ class Planner:
         return {"slo": {"ttft_p90_ms": self.spec.slo_ttft_p90_ms, "itl_p90_ms": self.spec.slo_itl_p90_ms},
                 "budget": self.spec.budget, "recommended": best[0].to_json() if best else None,
                 "runner_ups": [t.to_json() | {"why": f"{t.workers - best[0].workers} more workers"} for t in best[1:]],
-                "rejected": rejected[:20], "simulations": len(self.trials)}
+                "rejected": rejected[:20], "simulations": len(self.trials), "profile_sizer": self.sized}
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -260,6 +263,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
             lines.append(f"  per worker at these SLOs: {cap.prefill_rps:.3g} req/s prefill, {cap.decode_rps:.3g} "
                          f"req/s decode (pdserve planner --policy forecast --capacity "
                          f"{cap.prefill_rps:.3g},{cap.decode_rps:.3g})")
+        sized = result["profile_sizer"]
+        if sized:
+            m = sized["mix"]
+            lines.append(f"  the profile sizer put it at {sized['prefill']} prefill + {sized['decode']} decode for "
+                         f"{sized['rate']:.3g} req/s of {m['prefill_s']:.3g} s prefill, {m['prompt_tokens']:.0f} "
+                         f"prompt and {m['output_tokens']:.0f} output tokens a request (the search began there)")
         lines += [f"  runner-up: {_describe(t)} ({t['why']})" for t in result["runner_ups"]]
     lines += [f"  rejected: {_describe(t)}: {t['why_not']}" for t in result["rejected"][:8]]
     if args.json == "-":

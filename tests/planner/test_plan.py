@@ -67,6 +67,9 @@ def test_plan_cli(tmp_path):
     assert "recommended:" in proc.stdout
     data = json.loads(out.read_text())
     assert data["recommended"]["workers"] <= 4
+    sized = data["profile_sizer"]  # where the search began: the sizer's counts and the mix they were for
+    assert sized["prefill"] >= 1 and sized["decode"] >= 1 and sized["mix"]["prompt_tokens"] > 0
+    assert "the profile sizer put it at" in proc.stdout
     if data["recommended"]["mode"] == "disaggregated":  # what `pdserve planner --policy forecast` takes
         cap = data["capacity_rps_per_worker"]
         assert cap["prefill"] > 0 and cap["decode"] > 0 and "--capacity" in proc.stdout
