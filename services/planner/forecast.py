@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from statistics import NormalDist
 from typing import Protocol
@@ -100,7 +101,7 @@ def _erlang_c(c: int, a: float, b_prev: float) -> tuple[float, float]:
     return (c * b / (c - a * (1 - b)) if c > a else 1.0), b
 
 
-def _servers(a: float, late: callable, target: float, limit: int = 1_000_000) -> int:
+def _servers(a: float, late: Callable[[int, float], float], target: float, limit: int = 1_000_000) -> int:
     """The fewest servers c (an M/M/c queue at offered load `a` Erlangs) with late(c, C(c)) <= target."""
     b, c = 1.0, 0
     while c < limit:
@@ -128,8 +129,9 @@ class ProfileSizer:
                `kv_path`), an M/M/c queue whose wait may use the TPOT slack of the request's
                output tokens.
 
-    It prices what the profile prices: a profile measured on other hardware than the fleet's, or a
-    gateway whose prefill seconds include borrowed cores, sizes the pools by those."""
+    Prefill is priced by the mix's prefill seconds, which a live gateway measures; decode by the
+    profile's step, times what the scaler observed of it (`Mix.decode_factor`: ForecastScaler.
+    observe_decode). Nothing else corrects a profile of other hardware than the fleet's."""
 
     profile: Profile
     slo_ttft_s: float
@@ -172,16 +174,20 @@ class ProfileSizer:
             return _servers(rate * s, lambda c, erlang_c: erlang_c, late_cap)
         return _servers(rate * s, late, late_cap)
 
+    def _per_seq(self, mix: Mix) -> float:
+        """What one more sequence of the mix adds to a decode step (at its mean context)."""
+        d = self.profile.decode
+        return d.per_seq_s + d.per_ctx_token_s * (mix.prompt_tokens + mix.output_tokens / 2)
+
     def step(self, batch: float, mix: Mix) -> float:
         """A decode step's seconds per token for `batch` sequences of the mix, by the profile alone."""
-        d = self.profile.decode
-        return d.base_s + batch * (d.per_seq_s + d.per_ctx_token_s * (mix.prompt_tokens + mix.output_tokens / 2))
+        return self.profile.decode.base_s + batch * self._per_seq(mix)
 
     def batch(self, mix: Mix) -> tuple[int, float]:
         """(sequences a decode worker holds at once, its step's seconds per token there), the profile's
         step scaled by what was observed (`mix.decode_factor`)."""
         d, lim, f = self.profile.decode, self.profile.limits, mix.decode_factor
-        per_seq = d.per_seq_s + d.per_ctx_token_s * (mix.prompt_tokens + mix.output_tokens / 2)
+        per_seq = self._per_seq(mix)
         slo = self.slo_tpot_s / f
         by_step = math.floor((slo - d.base_s) / per_seq) if slo > d.base_s else 1
         by_kv = lim.num_kv_blocks // max(1, math.ceil((mix.prompt_tokens + mix.output_tokens) / lim.block_size))
