@@ -217,8 +217,8 @@ class DecodeWorker(WorkerRuntime):
                                timing: Timing) -> None:
         rid = stream.request_id
         t0 = time.time()
+        item = await self.first_output(stream, 0)  # a prompt computed here (whole, or its KV lost) takes a while
         while True:
-            item = await stream.get()
             if item.error is not None:
                 code = ErrorCode.OVERLOADED if isinstance(item.error, MemoryError) else ErrorCode.BAD_REQUEST
                 await self.publish_error(rid, 0, code, str(item.error))
@@ -228,6 +228,7 @@ class DecodeWorker(WorkerRuntime):
             if not out.finished:
                 await self.publish_tokens(rid, index, out.new_token_ids, logprobs=out.logprobs,
                                           prompt_logprobs=out.prompt_logprobs)
+                item = await stream.get()
                 continue
             if out.finish_reason == FinishReason.ABORT:
                 return

@@ -131,7 +131,8 @@ class PrefillWorker(WorkerRuntime):
         tracing.span_at("kv.lookup", span, taken, t0, **{"pdserve.cached_tokens": len(hits) * bs})
         stream = self.async_engine.add_request(rid, tokens, params, prefill_only=True, prefix_kv=prefix,
                                                num_resumed=index)
-        item = await stream.get()
+        renew = (lambda: self.kv.renew(lease, self.config.lease_ttl_s)) if lease else None
+        item = await self.first_output(stream, index, renew)
         prefill_s = time.time() - t0
         if item.error is not None:
             await self._release(lease)

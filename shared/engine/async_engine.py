@@ -52,6 +52,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._commands: list[Callable[[], None]] = []
         self._wake = asyncio.Event()
+        self.steps = 0  # steps run so far: a caller can tell a busy engine from a stuck one
         self.incoming_tokens = 0  # prompt tokens of requests added but not yet in the engine (a step runs)
         self._block_queue: int | None = None  # the routing index's event queue on the engine's pool
         self._block_events: list = []  # taken from it between steps, read by `take_block_events`
@@ -154,6 +155,7 @@ class AsyncEngine:
                 stopper.cancel()
                 continue
             outputs = await asyncio.to_thread(self._step)
+            self.steps += 1
             self._deliver(outputs)
             self._collect_block_events()
 

@@ -7,11 +7,12 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable
 
 from shared.config import WorkerConfig
 import torch
 
-from shared.engine.async_engine import AsyncEngine
+from shared.engine.async_engine import AsyncEngine, RequestStream, StreamItem
 from shared.engine.cores import CoreShare
 from shared.engine.engine import LLMEngine
 from shared.protocol import subjects
@@ -244,6 +245,38 @@ class WorkerRuntime:
         while self._recent and self._recent[0][0] < now - REPLAY_WINDOW_S:
             self._recent.popleft()
         await self.nc.publish(subject, data)
+
+    async def first_output(self, stream: RequestStream, index: int,
+                           renew: Callable[[], Awaitable[object]] | None = None) -> StreamItem:
+        """The request's first output from the engine. While it computes (a long prompt, or one that
+        waits in the engine behind others: four documents at once on a slow CPU take minutes), each
+        ack_wait/3 that the engine has stepped since the last time the gateway gets a "taken" notice
+        and `renew()` keeps a lease alive, so neither the gateway's inactivity timeout nor the
+        lease's TTL gives up on a request this worker is busy on. An engine that stopped stepping
+        sends nothing: the gateway's timeout still ends its requests."""
+        beats = asyncio.create_task(self._while_computing(stream.request_id, index, renew))
+        try:
+            return await stream.get()
+        finally:
+            beats.cancel()
+
+    async def _while_computing(self, rid: str, index: int, renew: Callable[[], Awaitable[object]] | None) -> None:
+        steps = self.async_engine.steps
+        while True:
+            await asyncio.sleep(self.config.ack_wait_s / 3)
+            if self.async_engine.steps == steps:
+                continue
+            steps = self.async_engine.steps
+            try:
+                await self.publish_tokens(rid, index, [])
+            except Exception as exc:  # NATS away: the next beat tries again
+                log.warning("request %s: progress notice not sent (%s)", rid, exc)
+            if renew is not None:
+                try:
+                    await renew()
+                except Exception as exc:  # storing its KV will fail too: decode recomputes it
+                    log.warning("request %s: lease not renewed (%s)", rid, exc)
+                    renew = None
 
     async def job_failed(self, msg, job_type) -> None:
         """A job raised unexpectedly (call from an `except`). Hand it back for another try (here or
