@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from shared.config import EngineConfig
+from shared.kernels import cpu_ext
 from shared.sim.cost import DecodeFit, EngineLimits, LinearFit, PrefillFit, Profile, TransferFit
 
 log = logging.getLogger("pdserve.profile")
@@ -256,7 +257,8 @@ def run_profile(config: ProfileConfig) -> dict[str, Any]:
     meta = {"model": mcfg.name, "model_path": str(e.model or "default"), "device": e.device,
             "dtype": e.dtype, "quantization": e.quantization, "kv_dtype": str(prof.engine.kv_cache.data.dtype),
             "threads": torch.get_num_threads(),
-            "machine": f"{platform.machine()} {os.cpu_count()} cores", "quick": config.quick,
+            "machine": f"{platform.machine()} {os.cpu_count()} cores", "cpu": cpu_ext.cpu_name(),
+            "isa": cpu_ext.cpu_isa() if e.device == "cpu" else "", "quick": config.quick,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "wall_s": round(time.perf_counter() - t0, 1), "transfer_measured": config.transfer}
     profile = Profile(prefill=prefill_fit, decode=decode_fit, transfer=transfer, limits=limits, meta=meta)

@@ -15,10 +15,14 @@ KV transfer (prefill → kvstore → decode) is base + per_byte·bytes, per path
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 PROFILE_VERSION = 1
 
@@ -202,11 +206,24 @@ DEFAULT_PROFILE = Path(__file__).with_name("profiles") / "cpu-smollm2-135m.json"
 
 
 def load_profile(path: str | Path | None) -> Profile:
-    """The given profile file, or the one shipped for this machine (measured by `pdserve profile`)."""
+    """The given profile file, or the one shipped for this machine kind (measured by `pdserve
+    profile`); a CPU profile measured on another kind of CPU than this one is said so, once."""
     p = Path(path) if path else DEFAULT_PROFILE
     if not p.exists():
         raise FileNotFoundError(f"profile {p} not found (write one with `pdserve profile --out {p}`)")
-    return Profile.load(p)
+    profile = Profile.load(p)
+    _warn_other_cpu(str(p), profile.meta.get("device", ""), profile.meta.get("isa", ""))
+    return profile
+
+
+@functools.cache
+def _warn_other_cpu(path: str, device: str, isa: str) -> None:
+    from shared.kernels.cpu_ext import cpu_isa
+
+    if device == "cpu" and isa and isa != (here := cpu_isa()):
+        log.warning("profile %s was measured on an %s CPU, this one runs %s kernels: its step times may be far "
+                    "off here (measure this machine with `pdserve profile --out FILE`, then pass --profile FILE)",
+                    path, isa, here)
 
 
 def _non_negative(obj: object, what: str) -> None:

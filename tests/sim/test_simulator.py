@@ -218,6 +218,21 @@ def test_profile_file_round_trip_and_validation(tmp_path):
     assert shipped.decode.base_s > 0 and shipped.prefill.per_token_s > 0
 
 
+def test_a_cpu_profile_from_another_kind_of_cpu_is_said_so(tmp_path, caplog):
+    from shared.kernels.cpu_ext import cpu_isa
+
+    here = cpu_isa()
+    for isa, warned in ((here, False), ("amx" if here != "amx" else "avx2", True), ("", False)):
+        path = tmp_path / f"p-{isa or 'unknown'}.json"
+        path.write_text(json.dumps(replace(PROFILE, meta={"device": "cpu", "isa": isa}).to_json()))
+        caplog.clear()
+        load_profile(path)
+        said = [r.getMessage() for r in caplog.records if "was measured on" in r.getMessage()]
+        assert bool(said) == warned, (isa, here, said)
+        if warned:
+            assert f"runs {here} kernels" in said[0] and "pdserve profile" in said[0]
+
+
 def test_bench_lengths_are_the_bench_workloads():
     from services.bench.workloads import Workload
 
