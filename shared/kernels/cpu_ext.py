@@ -45,7 +45,7 @@ def cpu_supported() -> tuple[bool, str]:
 
 def cpu_isa() -> str:
     """The widest kernel path this CPU offers: "amx", "avx512-vnni", "avx2", or "torch" (the
-    fallback). Step times measured on one hold for that kind only: a prefill token costs ~17× more
+    fallback). Step times measured on one hold for that kind only: a prefill step takes ~8× longer
     on an AVX2-only Zen 1 than with VNNI on a Zen 4."""
     try:
         flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
