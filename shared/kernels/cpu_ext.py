@@ -56,7 +56,7 @@ def cpu_isa() -> str:
         return "amx"
     if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
         return "avx512-vnni"
-    return "avx2" if {"avx2", "fma", "f16c"} <= flags else "torch"
+    return "avx2" if cpu_supported()[0] else "torch"  # the extension's minimum, said once
 
 
 def cpu_name() -> str:
