@@ -84,7 +84,7 @@ class AutoscaleConfig:
 class Observation:
     """One interval of the system, as the gateway's metrics show it."""
 
-    requests: int  # requests that arrived in the interval
+    requests: int  # requests that arrived in the interval (answered + the change in those in flight)
     ttft_p90_s: float | None  # None: no first token in the interval
     itl_p90_s: float | None
     prefill_waiting: float  # requests dispatched with no first token yet
@@ -308,8 +308,8 @@ class MetricsWatcher:
     def __init__(self, base_url: str | Callable[[], list[str]], fetch: Callable[[str], str] | None = None):
         self.urls = base_url if callable(base_url) else (lambda: [base_url])
         self.fetch = fetch or (lambda url: urllib.request.urlopen(url, timeout=5).read().decode())
-        # url -> (requests, TTFT buckets, ITL buckets, finished, (TPOT sum, count))
-        self._prev: dict[str, tuple[float, dict, dict, Load, tuple[float, float]]] = {}
+        # url -> (requests arrived, TTFT buckets, ITL buckets, finished, (TPOT sum, count), requests answered)
+        self._prev: dict[str, tuple[float, dict, dict, Load, tuple[float, float], float]] = {}
 
     def observe(self) -> Observation:
         pages, failed = {}, {}
@@ -322,15 +322,21 @@ class MetricsWatcher:
             raise OSError("; ".join(f"{url}: {exc}" for url, exc in failed.items()))
         requests, ttft, itl, gauges, running, finished, tpot = 0.0, {}, {}, {}, {}, Load(), [0.0, 0.0]
         for url, samples in pages.items():
-            now = (sum(v for n, _, v in samples if n == REQUESTS_TOTAL), _buckets(samples, TTFT),
-                   _buckets(samples, ITL), _finished(samples),
-                   tuple(sum(v for n, _, v in samples if n == f"{GENAI_TPOT}_{part}") for part in ("sum", "count")))
+            # arrived = answered (counted by outcome, at the end) + still in flight at this gateway: the
+            # answers alone lag the arrivals by a request's duration, and after traffic stops they still
+            # come for that long — seconds of "load" that is no longer there, for documents on a CPU
+            answered = sum(v for n, _, v in samples if n == REQUESTS_TOTAL)
+            in_flight = sum(v for n, labels, v in samples
+                            if n == REQUESTS_RUNNING and labels.get("service") == "gateway")
+            now = (answered + in_flight, _buckets(samples, TTFT), _buckets(samples, ITL), _finished(samples),
+                   tuple(sum(v for n, _, v in samples if n == f"{GENAI_TPOT}_{part}") for part in ("sum", "count")),
+                   answered)
             before = self._prev.get(url)
             self._prev[url] = now
             for n, labels, v in samples:
                 if n in (REQUESTS_WAITING, REQUESTS_RUNNING):
                     (gauges if n == REQUESTS_WAITING else running)[tuple(sorted(labels.items()))] = v
-            if before is None or now[0] < before[0]:  # new, or restarted (its counters went back)
+            if before is None or now[5] < before[5]:  # new, or restarted (its counter went back)
                 continue
             requests += now[0] - before[0]
             finished += now[3] - before[3]

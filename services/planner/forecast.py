@@ -6,8 +6,9 @@ day needs what Dynamo's SLA planner does instead: know what one worker sustains 
 (from the engine profile and the requests' mix), forecast the load, and set each pool to what the
 forecast needs — early enough that the workers have loaded their model when the load comes.
 
-    every interval:  rate of the last interval → linear trend over the last `history` intervals
-                     (where it stands out of the noise) → its highest rate between the next
+    every interval:  arrivals of the last interval → linear trend over the last `history` intervals
+                     (more where the rate is a trickle; fewer where the arrivals stopped), where
+                     it stands out of the noise → its highest rate between the next
                      interval and `startup_s + interval_s` ahead,
                      × (1 + headroom), + each pool's backlog ÷ interval → the sizer: workers per pool
 
@@ -110,6 +111,18 @@ def _servers(a: float, late: Callable[[int, float], float], target: float, limit
         if c > a and late(c, erlang_c) <= target:
             return c
     return limit
+
+
+def _surprise(n1: float, t1: float, n2: float, t2: float) -> float:
+    """How unlikely it is that n1 arrivals in t1 seconds and n2 in t2 came at one Poisson rate: the
+    log-likelihood ratio of two rates against one (by chance above s with probability about e^-s).
+    No arrival for six mean gaps of a steady rate, say, scores 6 + what the gaps' own count adds."""
+    r = (n1 + n2) / (t1 + t2)
+
+    def d(n: float, mu: float) -> float:  # Poisson deviance / 2 of n against a mean mu
+        return mu - n + (n * math.log(n / mu) if n > 0 else 0.0)
+
+    return d(n1, r * t1) + d(n2, r * t2) if r > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -221,7 +234,10 @@ class ForecastScaler:
     budget: int = 20_000  # prefill + decode workers
     queue_per_worker: float = 2.0  # waiting jobs per worker of a pool that are not yet backlog
     mix_requests: int = 200  # the mix: of the latest intervals that finished this many (a change shows soon)
-    rates: deque = field(default_factory=deque)  # observed req/s, one per interval
+    rate_requests: int = 10  # the trend is fitted over intervals that hold this many arrivals, where it takes more
+    max_history: int = 30  # …but at most this many intervals
+    surprise: float = 6.0  # a change in the arrivals this unlikely by chance (e^-surprise) ends the window
+    arrivals: deque = field(default_factory=deque)  # (requests, seconds), one per interval
     loads: deque = field(default_factory=deque)  # finished work, one Load per interval (the mix's window)
     mix: Mix | None = None  # of the requests finished lately (the last known, if none were)
     decode_factor: float = 1.0  # observed decode step ÷ the profile's (a moving average; 1 until seen)
@@ -231,22 +247,43 @@ class ForecastScaler:
     _last_load: Load | None = None
 
     def __post_init__(self) -> None:
-        if self.interval_s <= 0 or self.startup_s < 0 or self.headroom < 0 or self.history < 2 or self.down_after < 1:
-            raise ValueError("forecast scaler: need interval > 0, startup >= 0, headroom >= 0, history >= 2, "
-                             "down_after >= 1")
+        if self.interval_s <= 0 or self.startup_s < 0 or self.headroom < 0 or not 2 <= self.history <= \
+                self.max_history or self.down_after < 1 or self.surprise <= 0:
+            raise ValueError("forecast scaler: need interval > 0, startup >= 0, headroom >= 0, "
+                             "2 <= history <= max_history, down_after >= 1, surprise > 0")
         if any(lo < 1 or lo > hi for lo, hi in zip(self.min_workers, self.max_workers)) or \
                 sum(self.min_workers) > self.budget:
             raise ValueError("forecast scaler: need 1 <= min <= max per pool and the minimums within the budget")
 
+    def _window(self) -> list[float]:
+        """The rates (one per interval) the forecast is fitted over: the last `history` intervals,
+        widened until they hold `rate_requests` arrivals (at most `max_history` intervals). A rate
+        counted over a few seconds of a trickle is mostly noise: two users sending documents that
+        take 16 s each arrive in pairs every 16 s, and 10 s of intervals see none of them as often
+        as two — a planner that believed those zeros drained a worker each time and took it back.
+        The window ends, going back, where the arrivals changed beyond chance (`_surprise`): at a
+        busy interval before a quiet stretch (the traffic stopped: the window is that stretch), or,
+        past the last `history` intervals, at any change (a trickle after a busy hour is not widened
+        into the hour)."""
+        seen, came, took, k = list(self.arrivals), 0.0, 0.0, 0
+        for n, dt in reversed(seen):
+            if k >= self.history and came >= self.rate_requests:
+                break
+            if k and (k >= self.history or came == 0) and _surprise(came, took, n, dt) > self.surprise:
+                break
+            came, took, k = came + n, took + dt, k + 1
+        return [n / dt for n, dt in seen[len(seen) - k:]]
+
     def forecast(self) -> float:
         """The most requests per second expected before a worker added now could serve: the
-        least-squares line through the last `history` intervals' rates, at its highest from the
-        next interval to `startup_s` + one interval ahead (a worker removed now is missing all that
-        time; one added now helps only at its end), never below zero. The slope is used only where
-        it stands out of the noise (beyond two standard errors, with at least Poisson noise: a rate
-        counted over an interval varies by √(rate ÷ interval)); otherwise the forecast is the mean.
-        Extrapolating a slope fitted to noise is what makes a predictive planner oscillate."""
-        ys = list(self.rates)[-self.history:]
+        least-squares line through the window's rates (`_window`: the last `history` intervals, as
+        a rule), at its highest from the next interval to `startup_s` + one interval ahead (a
+        worker removed now is missing all that time; one added now helps only at its end), never
+        below zero. The slope is used only where it stands out of the noise (beyond two standard
+        errors, with at least Poisson noise: a rate counted over an interval varies by
+        √(rate ÷ interval)); otherwise the forecast is the mean. Extrapolating a slope fitted to
+        noise is what makes a predictive planner oscillate."""
+        ys = self._window()
         if len(ys) < 2:
             return ys[-1] if ys else 0.0
         n = len(ys)
@@ -305,12 +342,12 @@ class ForecastScaler:
         """Workers wanted per pool, from the arrivals so far, the jobs waiting for each pool now
         and the work finished so far (`load`: running totals; the profile sizer needs it)."""
         if self._last is not None and now > self._last[0]:
-            self.rates.append((arrived - self._last[1]) / (now - self._last[0]))
-            while len(self.rates) > self.history:
-                self.rates.popleft()
+            self.arrivals.append((arrived - self._last[1], now - self._last[0]))
+            while len(self.arrivals) > self.max_history:
+                self.arrivals.popleft()
         self._last = (now, arrived)
         self._observe_mix(load)
-        if not self.rates:  # nothing observed yet: keep the fleet as it is
+        if not self.arrivals:  # nothing observed yet: keep the fleet as it is
             self.current = list(self.current or self.min_workers)
             return tuple(self.current)
         rate = self.forecast() * (1 + self.headroom)

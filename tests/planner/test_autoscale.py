@@ -145,12 +145,14 @@ def test_config_validation():
 
 
 def test_metrics_watcher_reads_interval_percentiles_from_the_gateway_text():
-    def page(ttft_counts, total, waiting):
+    def page(ttft_counts, total, waiting, in_flight=0):
         buckets = [0.1, 0.5, 1.0, 2.5]
         lines = [f'pdserve_time_to_first_token_seconds_bucket{{le="{b}"}} {c}' for b, c in zip(buckets, ttft_counts)]
         lines += [f'pdserve_time_to_first_token_seconds_bucket{{le="+Inf"}} {ttft_counts[-1]}',
                   f'pdserve_requests_total{{status="ok"}} {total}',
                   f'pdserve_requests_waiting{{service="gateway",instance="g"}} {waiting}',
+                  f'pdserve_requests_running{{service="gateway",instance="g"}} {in_flight}',
+                  'pdserve_requests_running{service="decode",instance="d0"} 7',
                   'pdserve_requests_waiting{service="decode",instance="d0"} 1',
                   f"pdserve_e2e_request_latency_seconds_count {total}",  # every request finished, here
                   f"pdserve_prompt_tokens_total {100 * total}", f"pdserve_generation_tokens_total {20 * total}",
@@ -158,14 +160,18 @@ def test_metrics_watcher_reads_interval_percentiles_from_the_gateway_text():
                   "# HELP something", ]
         return "\n".join(lines)
 
-    pages = iter([page([0, 0, 0, 0], 0, 0), page([5, 10, 10, 10], 10, 3), page([5, 10, 12, 30], 30, 0)])
+    pages = iter([page([0, 0, 0, 0], 0, 0), page([5, 10, 10, 10], 10, 3, in_flight=4),
+                  page([5, 10, 12, 30], 30, 0, in_flight=1), page([5, 10, 12, 30], 31, 0)])
     watcher = MetricsWatcher("http://gw", fetch=lambda url: next(pages))
     watcher.observe()
-    first = watcher.observe()
-    assert (first.requests, first.ttft_p90_s, first.prefill_waiting, first.decode_waiting) == (10, 0.5, 3, 1)
+    first = watcher.observe()  # 10 answered and 4 still in flight: 14 arrived
+    assert (first.requests, first.ttft_p90_s, first.prefill_waiting, first.decode_waiting) == (14, 0.5, 3, 1)
     assert first.finished == Load(finished=10, output_tokens=200, prefilled=10, prompt_tokens=1000, prefill_s=2.5)
     second = watcher.observe()  # 20 new observations: 2 ≤ 1.0 s, 18 in (1.0, 2.5]
-    assert second.requests == 20 and second.ttft_p90_s == 2.5 and second.itl_p90_s is None
+    assert second.requests == 17 and second.ttft_p90_s == 2.5 and second.itl_p90_s is None
+    assert second.decode_batch == 7
+    # traffic stopped: the last request in flight is answered, and nothing arrived
+    assert watcher.observe().requests == 0
     assert histogram_p90({1.0: 0, float("inf"): 0}, {}) is None
     assert parse_prometheus('a_b{x="1"} 2.5\nbad line') == [("a_b", {"x": "1"}, 2.5)]
 

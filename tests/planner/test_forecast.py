@@ -49,6 +49,27 @@ def test_grows_at_once_shrinks_only_after_a_run_of_lower_wants():
     assert downs[:2] == [(10, 5), (10, 5)] and downs[2] == (5, 3)
 
 
+def test_a_trickle_of_long_requests_in_pairs_does_not_flip_the_pool_and_its_end_is_seen():
+    """What CI's AVX2 host showed live: two users sending ~12 s documents back to back arrive in pairs
+    every 16 s; 2 s intervals see 2, 0, 0, 0, 0, 0, 0, 0. Fitted over the last 5 intervals only, the
+    rate is 0 three intervals in a row every cycle, and the pool drains a worker and takes it back."""
+    def scaler(**kw):
+        return ForecastScaler(Capacity(0.08, 1.0), interval_s=2, startup_s=0, headroom=0.0, history=5, down_after=3,
+                              current=[1, 1], max_workers=(2, 1), **kw)
+
+    pairs = [1.0, 0, 0, 0, 0, 0, 0, 0] * 12  # 0.125 req/s: two workers' worth at 0.08 each
+    flips = [p for p, _ in _feed(scaler(rate_requests=0), pairs)]  # the window never widened
+    assert flips[8:].count(1) >= 10, flips
+    s = scaler()
+    assert {p for p, _ in _feed(s, pairs)} == {2}
+    assert 0.1 <= s.forecast() <= 0.15
+    # the pairs stop (the last one 16 s before): once two of them are missing, one worker; the rate
+    # is 0 when the quiet is beyond chance (20 intervals: 40 s, five mean gaps)
+    after = [p for p, _ in _feed(s, [0] * 30, start=2 * 96, arrived=24)]
+    assert 4 <= after.index(1) <= 12 and set(after[after.index(1):]) == {1}, after
+    assert s.forecast() == 0.0 and len(s._window()) == 30
+
+
 def test_bounds_and_budget():
     s = ForecastScaler(Capacity(1.0, 1.0), interval_s=10, startup_s=0, headroom=0.0, min_workers=(2, 1),
                        max_workers=(50, 8), budget=40, current=[2, 1])
