@@ -66,14 +66,29 @@ def index_blocks(url: str) -> dict[str, int]:
     return {name: loc["blocks"] for name, loc in locations(url).items()}
 
 
-def wait_for(probe, what: str, bound: float = 30.0):
+def wait_for(probe, what: str, bound: float = 30.0, seen=None):
+    """`probe()` once it is truthy; `seen()`, if given, says what there was instead on a timeout."""
     deadline = time.monotonic() + bound
     while True:
         value = probe()
         if value:
             return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}" + (f": {seen()}" if seen else "")
         time.sleep(0.2)
+
+
+def settled(probe, what: str, quiet_s: float = 1.0, bound: float = 30.0):
+    """`probe()` once it has stayed the same for `quiet_s`."""
+    last = [probe(), time.monotonic()]
+
+    def same():
+        value = probe()
+        if value != last[0]:
+            last[:] = [value, time.monotonic()]
+        return time.monotonic() - last[1] >= quiet_s
+
+    wait_for(same, what, bound, seen=lambda: last[0])
+    return last[0]
 
 
 @contextlib.contextmanager
@@ -145,15 +160,14 @@ def test_a_restarted_gateway_rebuilds_the_index_and_a_killed_workers_entries_go(
     before = routed(url)
     ask(url, f"{doc}\nFirst question.")
     [(_, holder, _)] = since(url, before)
-    time.sleep(1.0)  # the last batch of events is out
-    blocks = index_blocks(url)
+    blocks = settled(lambda: index_blocks(url), "the index to settle")  # the last batch of events is out
     assert max(blocks.values()) >= 30, blocks
     old = colocated.children()["gateway"]
     os.kill(old, signal.SIGKILL)
     wait_restarted(colocated, "gateway", old)
     wait_up_healthy(colocated, timeout=60)
     # the new gateway read the snapshots in Valkey (and the events after them): the same index
-    assert wait_for(lambda: index_blocks(url) == blocks or None, "the rebuilt index", 15)
+    wait_for(lambda: index_blocks(url) == blocks, f"the rebuilt index ({blocks})", 30, seen=lambda: index_blocks(url))
     # (until it hears the workers' stats, ~0.25 s, it would send jobs to the shared queue)
     wait_for(lambda: len(httpx.get(f"{url}/router", timeout=10).json()["workers"]) == 2, "the workers' stats")
     before = routed(url)
