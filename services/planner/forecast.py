@@ -116,7 +116,8 @@ def _servers(a: float, late: Callable[[int, float], float], target: float, limit
 def _surprise(n1: float, t1: float, n2: float, t2: float) -> float:
     """How unlikely it is that n1 arrivals in t1 seconds and n2 in t2 came at one Poisson rate: the
     log-likelihood ratio of two rates against one (by chance above s with probability about e^-s).
-    No arrival for six mean gaps of a steady rate, say, scores 6 + what the gaps' own count adds."""
+    n2 arrivals in t2, then none for t1, score n2·ln(1 + t1 ÷ t2): after 10 arrivals, a quiet of 8
+    of their mean gaps scores 6."""
     r = (n1 + n2) / (t1 + t2)
 
     def d(n: float, mu: float) -> float:  # Poisson deviance / 2 of n against a mean mu
@@ -257,22 +258,32 @@ class ForecastScaler:
 
     def _window(self) -> list[float]:
         """The rates (one per interval) the forecast is fitted over: the last `history` intervals,
-        widened until they hold `rate_requests` arrivals (at most `max_history` intervals). A rate
-        counted over a few seconds of a trickle is mostly noise: two users sending documents that
-        take 16 s each arrive in pairs every 16 s, and 10 s of intervals see none of them as often
-        as two — a planner that believed those zeros drained a worker each time and took it back.
-        The window ends, going back, where the arrivals changed beyond chance (`_surprise`): at a
-        busy interval before a quiet stretch (the traffic stopped: the window is that stretch), or,
-        past the last `history` intervals, at any change (a trickle after a busy hour is not widened
-        into the hour)."""
-        seen, came, took, k = list(self.arrivals), 0.0, 0.0, 0
+        widened until they hold `rate_requests` arrivals (`_widened`). A rate counted over a few
+        seconds of a trickle is mostly noise: two users sending documents that take 16 s each
+        arrive in pairs every 16 s, and 10 s of intervals see none of them as often as two — a
+        planner that believed those zeros drained a worker each time and took it back. But the
+        newest intervals without an arrival, against the window before them, may be beyond chance
+        (`_surprise`): then the traffic has stopped, and the window is those intervals. After 10
+        arrivals that takes about 8 of their mean gaps; after a fleet's minute, one empty interval."""
+        seen = list(self.arrivals)
+        quiet = next((i for i, (n, _) in enumerate(reversed(seen)) if n > 0), len(seen))
+        if 0 < quiet < len(seen):
+            before = self._widened(seen[:len(seen) - quiet])
+            if _surprise(0.0, sum(dt for _, dt in seen[len(seen) - quiet:]), sum(n for n, _ in before),
+                         sum(dt for _, dt in before)) > self.surprise:
+                return [0.0] * quiet
+        return [n / dt for n, dt in self._widened(seen)]
+
+    def _widened(self, seen: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        """The last `history` of `seen`, and earlier ones until they hold `rate_requests` arrivals —
+        but not across a change beyond chance (a trickle after a busy hour is not widened into it)."""
+        came, took, k = 0.0, 0.0, 0
         for n, dt in reversed(seen):
-            if k >= self.history and came >= self.rate_requests:
-                break
-            if k and (k >= self.history or came == 0) and _surprise(came, took, n, dt) > self.surprise:
+            if k >= self.history and (came >= self.rate_requests or
+                                      (came > 0 and _surprise(came, took, n, dt) > self.surprise)):
                 break
             came, took, k = came + n, took + dt, k + 1
-        return [n / dt for n, dt in seen[len(seen) - k:]]
+        return seen[len(seen) - k:]
 
     def forecast(self) -> float:
         """The most requests per second expected before a worker added now could serve: the

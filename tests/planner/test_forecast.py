@@ -68,6 +68,12 @@ def test_a_trickle_of_long_requests_in_pairs_does_not_flip_the_pool_and_its_end_
     after = [p for p, _ in _feed(s, [0] * 30, start=2 * 96, arrived=24)]
     assert 4 <= after.index(1) <= 12 and set(after[after.index(1):]) == {1}, after
     assert s.forecast() == 0.0 and len(s._window()) == 30
+    # a smooth trickle (one arrival an interval) ends: the line through the widened window falls to 0
+    # after 6 quiet intervals, and the window is cut to the quiet after 9 (10 × ln(1 + quiet ÷ 20 s) > 6)
+    s = scaler()
+    assert {p for p, _ in _feed(s, [0.5] * 40)} == {2}
+    after = [(s.targets(80.0 + 2 * i, 40)[0], len(s._window())) for i in range(1, 13)]
+    assert [p for p, _ in after] == [2] * 7 + [1] * 5 and [k for _, k in after][7:] == [18, 9, 10, 11, 12], after
 
 
 def test_bounds_and_budget():
