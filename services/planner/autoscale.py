@@ -29,7 +29,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from services.planner.forecast import Capacity, ForecastScaler, ProfileSizer
 from shared.sim.cost import load_profile
@@ -296,6 +296,17 @@ def _finished(samples) -> Load:
                 prompt_tokens=total[PROMPT_TOKENS], prefill_s=total[PREFILL_SECONDS])
 
 
+class _Totals(NamedTuple):
+    """One gateway's running totals at a scrape (an interval is the difference of two)."""
+
+    arrived: float  # answered (counted by outcome, at the end) + still in flight at this gateway
+    answered: float  # its requests counter: one that went back is a restarted gateway
+    ttft: dict[float, float]  # cumulative histogram buckets
+    itl: dict[float, float]
+    finished: Load
+    tpot: tuple[float, float]  # (sum, count)
+
+
 class MetricsWatcher:
     """Scrapes the gateways' /metrics; each `observe()` describes the time since the previous one.
 
@@ -308,8 +319,7 @@ class MetricsWatcher:
     def __init__(self, base_url: str | Callable[[], list[str]], fetch: Callable[[str], str] | None = None):
         self.urls = base_url if callable(base_url) else (lambda: [base_url])
         self.fetch = fetch or (lambda url: urllib.request.urlopen(url, timeout=5).read().decode())
-        # url -> (requests arrived, TTFT buckets, ITL buckets, finished, (TPOT sum, count), requests answered)
-        self._prev: dict[str, tuple[float, dict, dict, Load, tuple[float, float], float]] = {}
+        self._prev: dict[str, _Totals] = {}
 
     def observe(self) -> Observation:
         pages, failed = {}, {}
@@ -322,26 +332,25 @@ class MetricsWatcher:
             raise OSError("; ".join(f"{url}: {exc}" for url, exc in failed.items()))
         requests, ttft, itl, gauges, running, finished, tpot = 0.0, {}, {}, {}, {}, Load(), [0.0, 0.0]
         for url, samples in pages.items():
-            # arrived = answered (counted by outcome, at the end) + still in flight at this gateway: the
-            # answers alone lag the arrivals by a request's duration, and after traffic stops they still
-            # come for that long — seconds of "load" that is no longer there, for documents on a CPU
+            # arrivals, not answers alone: those lag the arrivals by a request's duration, and after
+            # traffic stops they still come for that long — load that is no longer there
             answered = sum(v for n, _, v in samples if n == REQUESTS_TOTAL)
             in_flight = sum(v for n, labels, v in samples
                             if n == REQUESTS_RUNNING and labels.get("service") == "gateway")
-            now = (answered + in_flight, _buckets(samples, TTFT), _buckets(samples, ITL), _finished(samples),
-                   tuple(sum(v for n, _, v in samples if n == f"{GENAI_TPOT}_{part}") for part in ("sum", "count")),
-                   answered)
+            tpot_total = tuple(sum(v for n, _, v in samples if n == f"{GENAI_TPOT}_{p}") for p in ("sum", "count"))
+            now = _Totals(answered + in_flight, answered, _buckets(samples, TTFT), _buckets(samples, ITL),
+                          _finished(samples), tpot_total)
             before = self._prev.get(url)
             self._prev[url] = now
             for n, labels, v in samples:
                 if n in (REQUESTS_WAITING, REQUESTS_RUNNING):
                     (gauges if n == REQUESTS_WAITING else running)[tuple(sorted(labels.items()))] = v
-            if before is None or now[5] < before[5]:  # new, or restarted (its counter went back)
+            if before is None or now.answered < before.answered:  # new, or restarted
                 continue
-            requests += now[0] - before[0]
-            finished += now[3] - before[3]
-            tpot = [tpot[0] + now[4][0] - before[4][0], tpot[1] + now[4][1] - before[4][1]]
-            for acc, cur, old in ((ttft, now[1], before[1]), (itl, now[2], before[2])):
+            requests += now.arrived - before.arrived
+            finished += now.finished - before.finished
+            tpot = [tpot[0] + now.tpot[0] - before.tpot[0], tpot[1] + now.tpot[1] - before.tpot[1]]
+            for acc, cur, old in ((ttft, now.ttft, before.ttft), (itl, now.itl, before.itl)):
                 for le, c in cur.items():
                     acc[le] = acc.get(le, 0.0) + c - old.get(le, 0.0)
         self._prev = {url: v for url, v in self._prev.items() if url in pages or url in failed}

@@ -64,7 +64,7 @@ def test_a_trickle_of_long_requests_in_pairs_does_not_flip_the_pool_and_its_end_
     assert {p for p, _ in _feed(s, pairs)} == {2}
     assert 0.1 <= s.forecast() <= 0.15
     # the pairs stop (the last one 16 s before): once two of them are missing, one worker; the rate
-    # is 0 when the quiet is beyond chance (20 intervals: 40 s, five mean gaps)
+    # is 0 once the 30 intervals' window holds none of them (7-8 arrivals are too few to cut it sooner)
     after = [p for p, _ in _feed(s, [0] * 30, start=2 * 96, arrived=24)]
     assert 4 <= after.index(1) <= 12 and set(after[after.index(1):]) == {1}, after
     assert s.forecast() == 0.0 and len(s._window()) == 30
