@@ -8,7 +8,8 @@ its own copy of the index from them, so gateways agree without talking to each o
              → replay the buffer on top
     follow   batch seq = last + 1: apply · same seq: a keepalive · a gap (a batch, or a keepalive,
              ahead of the last seq + 1) or a new epoch mid-way: ask the location for its snapshot
-             (pd.cache.sync.<loc>), buffer until it answers
+             (pd.cache.sync.<loc>), buffer until it answers; no answer: keep the keys, follow on
+             from the newest batch, and ask again after 1, 2, 4 … 30 s (stale keys are misses)
     forget   a location that says it is gone, or is not heard from for `forget_after_s`
 
 `match(keys)` answers, for a prompt's block keys (the shared `block_hash` contract), how many
@@ -39,11 +40,15 @@ class _Location:
     keys: set[bytes] = field(default_factory=set)
     heard: float = 0.0  # time.monotonic() of its last message
     buffered: list[CacheEvents] | None = None  # events held while a snapshot is on its way
+    retry_at: float | None = None  # a snapshot asked for did not come: ask again from then on
+    retry_s: float = 0.0  # … after waiting this long (doubling)
 
 
 class PrefixIndex:
-    def __init__(self, *, forget_after_s: float = 10.0, sync_timeout_s: float = 2.0) -> None:
+    def __init__(self, *, forget_after_s: float = 10.0, sync_timeout_s: float = 2.0, sync_retry_s: float = 1.0,
+                 sync_retry_max_s: float = 30.0) -> None:
         self.forget_after_s, self.sync_timeout_s = forget_after_s, sync_timeout_s
+        self.sync_retry_s, self.sync_retry_max_s = sync_retry_s, sync_retry_max_s
         self.blocks: dict[bytes, set[str]] = {}  # key → locations holding it
         self.locations: dict[str, _Location] = {}
         self.resyncs = 0  # snapshots asked for after a gap (a metric of how lossy the event stream is)
@@ -116,6 +121,8 @@ class PrefixIndex:
         keepalive = not ev.stored and not ev.evicted  # a batch always holds a change
         if loc.buffered is not None:
             loc.buffered.append(ev)
+        elif loc.retry_at is not None and loc.heard >= loc.retry_at:
+            self._resync(ev.location, loc, ev)  # ask again for the snapshot that did not come
         elif ev.epoch == loc.epoch and ev.seq <= loc.seq:
             pass  # a keepalive, or a batch already applied
         elif ev.epoch == loc.epoch and ev.seq == loc.seq + 1 and not keepalive:
@@ -178,10 +185,13 @@ class PrefixIndex:
         buffered, loc.buffered = loc.buffered or [], None
         if snap is not None:
             self.load(snap)
-        else:  # keep the keys we have (stale ones are misses) and follow on from the newest message
+            loc.retry_at, loc.retry_s = None, 0.0
+        else:  # keep the keys we have (stale ones are misses), follow on from the newest message, ask again later
             newest = buffered[-1]
             loc.epoch, loc.seq = newest.epoch, newest.seq - (1 if newest.stored or newest.evicted else 0)
             buffered = [newest]
+            loc.retry_s = min(2 * loc.retry_s, self.sync_retry_max_s) if loc.retry_s else self.sync_retry_s
+            loc.retry_at = time.monotonic() + loc.retry_s
         for ev in buffered:
             if ev.epoch == loc.epoch and ev.seq > loc.seq:
                 self.apply(ev)

@@ -53,18 +53,25 @@ class AsyncEngine:
         self._commands: list[Callable[[], None]] = []
         self._wake = asyncio.Event()
         self.steps = 0  # steps run so far: a caller can tell a busy engine from a stuck one
-        self.incoming_tokens = 0  # prompt tokens of requests added but not yet in the engine (a step runs)
+        self.incoming_tokens = 0  # prompt tokens to compute of requests added but not yet in the engine
         self._block_queue: int | None = None  # the routing index's event queue on the engine's pool
         self._block_events: list = []  # taken from it between steps, read by `take_block_events`
 
     # ---------------------------------------------------------------------------------- requests
 
     def add_request(self, request_id: str, prompt_ids: list[int], params, **kwargs) -> RequestStream:
-        self.incoming_tokens += len(prompt_ids)
+        # what the router should count as this engine's work: the prompt less what it holds cached
+        # (read while a step may run: a lookup that changes nothing, and only an estimate)
+        cached = self.engine.kv.cached_tokens(prompt_ids) if params.prompt_logprobs is None else 0
+        prefix_kv = kwargs.get("prefix_kv")
+        if prefix_kv is not None:
+            cached = max(cached, prefix_kv.shape[0] * self.engine.config.block_size)
+        self.incoming_tokens += len(prompt_ids) - cached
 
         def add() -> None:
-            self.incoming_tokens -= len(prompt_ids)
-            self.engine.add_request(request_id, prompt_ids, params, **kwargs)
+            self.incoming_tokens -= len(prompt_ids) - cached
+            seq = self.engine.add_request(request_id, prompt_ids, params, **kwargs)
+            seq.expected_cached_tokens = cached
 
         return self._submit(request_id, add)
 
@@ -136,6 +143,17 @@ class AsyncEngine:
     @property
     def num_requests(self) -> int:
         return len(self._streams)
+
+    def queued_tokens(self) -> int:
+        """Prompt tokens taken but not computed yet, less those the prefix cache held when they came:
+        the router's measure of this engine's prefill work (an estimate, read while a step may run; a
+        step changing the queues meanwhile raises RuntimeError). Counting a waiting prompt whole made
+        the holder of a shared document look a prompt busier for each request queued there, and the
+        router sent the next one to a worker that had to compute the document again."""
+        sched = self.engine.scheduler
+        return self.incoming_tokens + sum(
+            max(0, seq.num_prompt_tokens - max(seq.num_computed_tokens, seq.expected_cached_tokens))
+            for seq in [*sched.waiting, *sched.running])
 
     # -------------------------------------------------------------------------------------- loop
 

@@ -39,6 +39,7 @@ class Sequence:
     block_keys: list[BlockKey] = field(default_factory=list)  # keys of the full blocks computed so far
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at admission
+    expected_cached_tokens: int = 0  # … in it on arrival: the router's estimate until it is admitted
     num_preemptions: int = 0
     prefill_only: bool = False  # role: stop after the first token and keep the blocks for export
     num_resumed: int = 0  # output tokens produced before this engine got the request (migration)

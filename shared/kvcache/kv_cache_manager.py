@@ -33,6 +33,14 @@ class KVCacheManager:
         total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
         return max(0, total - len(seq.block_table))
 
+    def cached_tokens(self, tokens: list[int]) -> int:
+        """How many leading tokens of a prompt the prefix cache holds now, touching nothing: what
+        `match_prefix` would find if the sequence were admitted at once."""
+        max_blocks = (len(tokens) - 1) // self.block_size
+        if not self.pool.enable_prefix_caching or max_blocks <= 0:
+            return 0
+        return len(self.pool.match_prefix(self._keys(tokens, 0, max_blocks, ROOT_KEY))) * self.block_size
+
     def match_prefix(self, seq: HasBlocks) -> int:
         """Attach the longest cached prefix to a sequence holding no blocks; returns cached tokens.
 

@@ -2,15 +2,15 @@
 
     pd.cache.events.<loc>   CacheEvents every `interval_s` when something changed (seq + 1), and a
                             keepalive (same seq, nothing in it) every `keepalive_s` otherwise
-    pd.cache.sync.<loc>     request → CacheSnapshot: every key now, as of the last seq published
+    pd.cache.sync.<loc>     request → CacheSnapshot: every key as of the last seq published
     pd:cache:<loc>          the same snapshot in Valkey, rewritten every `snapshot_s` when it changed
                             (TTL `snapshot_ttl_s`): a starting gateway reads these, then follows events
 
-Why the snapshot's seq may be older than its keys and still be right: its seq is the last batch
-published *before* the keys were read, so every change missing from the keys is in a later batch.
-Replaying those batches on top re-applies some changes the keys already show — harmless, because for
-each key the last store/evict of the replay is its state now, and a key the replay does not touch
-has not changed since the snapshot.
+A snapshot is the publisher's own copy of the keys, kept from the batches it sends (read from the
+pool once, at start): exactly the state as of its seq, and made without waiting for the pool's owner.
+An engine's pool can be read only between steps, and a step can take seconds on a slow host: a
+snapshot read from it held up the keepalives until the gateways forgot the location, and their
+request for its snapshot timed out.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from shared.protocol.messages import CacheEvents, CacheSnapshot, encode
 log = logging.getLogger(__name__)
 
 TakeEvents = Callable[[], list[BlockStored | BlockEvicted]]
-ReadKeys = Callable[[], Awaitable[list[bytes]]]
+ReadKeys = Callable[[], Awaitable[list[bytes]]]  # the pool's keys now (once, at start)
 
 
 def net_changes(events: list[BlockStored | BlockEvicted]) -> tuple[list[bytes], list[bytes]]:
@@ -51,8 +51,10 @@ class CachePublisher:
         self.seq = 0
         self._sub = None
         self._snapshot_seq = -1  # seq of the snapshot last written to Valkey
+        self.keys: set[bytes] = set()  # as of `seq`
 
     async def start(self) -> None:
+        self.keys = set(await self._read_keys())  # the batches to come re-apply what it already shows: harmless
         self._sub = await self.nc.subscribe(subjects.cache_sync(self.location), cb=self._on_sync)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -81,20 +83,21 @@ class CachePublisher:
         if not stored and not evicted:
             return False
         self.seq += 1
+        self.keys.difference_update(evicted)
+        self.keys.update(stored)
         await self._send(CacheEvents(location=self.location, epoch=self.epoch, seq=self.seq, stored=stored,
                                      evicted=evicted))
         return True
 
-    async def snapshot(self) -> CacheSnapshot:
-        seq = self.seq  # first: see the module docstring
-        return CacheSnapshot(location=self.location, epoch=self.epoch, seq=seq, keys=await self._read_keys())
+    def snapshot(self) -> CacheSnapshot:
+        return CacheSnapshot(location=self.location, epoch=self.epoch, seq=self.seq, keys=list(self.keys))
 
     async def write_snapshot(self) -> None:
         key = subjects.cache_snapshot_key(self.location)
         if self.seq == self._snapshot_seq:  # nothing new: keep the one there alive
             if await self.redis.pexpire(key, round(self.snapshot_ttl_s * 1000)):
                 return
-        snap = await self.snapshot()
+        snap = self.snapshot()
         await self.redis.set(key, encode(snap), px=round(self.snapshot_ttl_s * 1000))
         self._snapshot_seq = snap.seq
 
@@ -117,6 +120,6 @@ class CachePublisher:
             return
         try:
             await self.publish_changes()  # so the reply's seq covers everything up to now
-            await self.nc.publish(msg.reply, encode(await self.snapshot()))
+            await self.nc.publish(msg.reply, encode(self.snapshot()))
         except Exception as exc:
             log.warning("%s: routing-index sync failed: %r", self.location, exc)

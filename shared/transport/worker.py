@@ -222,12 +222,9 @@ class WorkerRuntime:
                            queued_tokens=self.queued_tokens(), draining=self.draining, **spec)
 
     def queued_tokens(self) -> int:
-        """Prompt tokens this worker holds but has not computed yet (read between or during steps:
-        an estimate for the router, never used for the engine's own decisions)."""
-        sched = self.engine.scheduler
+        """AsyncEngine.queued_tokens, read between or during steps."""
         try:
-            self._queued = self.async_engine.incoming_tokens + sum(
-                max(0, seq.num_prompt_tokens - seq.num_computed_tokens) for seq in [*sched.waiting, *sched.running])
+            self._queued = self.async_engine.queued_tokens()
         except RuntimeError:  # a step changed the queue while we read it: the last reading will do
             pass
         return self._queued

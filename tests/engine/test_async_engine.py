@@ -83,3 +83,27 @@ async def test_a_second_request_with_a_running_ones_id_is_refused_and_the_first_
     stop.set()
     await loop_task
     assert engine.pool.num_used_blocks == 0
+
+
+async def test_queued_tokens_count_only_what_the_prefix_cache_does_not_hold():
+    """The router's load measure: a request whose prompt the engine holds cached is a few tokens of
+    work, whether it is still on its way in or waiting in the engine (it counted whole, and a holder
+    of a shared document looked a prompt busier for each request queued there)."""
+    engine = make_engine()
+    shared, other = prompts([50, 40], seed=24)
+    engine.generate([shared], GREEDY)  # 3 of its blocks are cached now ((50 - 1) // 16)
+    async_engine = AsyncEngine(engine)
+    async_engine.add_request("hit", shared, GREEDY)
+    async_engine.add_request("miss", other, GREEDY)
+    async_engine.add_request("logprobs", shared, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=0))
+    assert async_engine.queued_tokens() == (50 - 48) + 40 + 50  # on their way in (prompt logprobs: every row)
+    async_engine._apply_commands()  # what the loop does before a step: now they wait in the engine
+    assert len(engine.scheduler.waiting) == 3 and async_engine.incoming_tokens == 0
+    assert async_engine.queued_tokens() == (50 - 48) + 40 + 50
+    stop = asyncio.Event()
+    loop_task = asyncio.create_task(async_engine.run(stop))
+    while async_engine.num_requests:
+        await asyncio.sleep(0.01)
+    assert async_engine.queued_tokens() == 0
+    stop.set()
+    await loop_task
