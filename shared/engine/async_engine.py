@@ -6,8 +6,10 @@ asyncio calls.
     each request's outputs                      → its own asyncio.Queue (RequestStream)
 
 The engine is only ever touched from the event-loop thread while no step is running, or from the
-step thread while a step runs: never both, so it needs no locks. torch releases the GIL inside its
-kernels, so the event loop keeps serving NATS while a step computes.
+step thread while a step runs: never both, so it needs no locks. (The router's estimates are the one
+exception: `add_request` looks a prompt up in the prefix cache and `queued_tokens` reads the queues
+while a step may run; both only read, and are estimates.) torch releases the GIL inside its kernels,
+so the event loop keeps serving NATS while a step computes.
 """
 
 from __future__ import annotations
