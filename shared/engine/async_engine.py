@@ -68,10 +68,11 @@ class AsyncEngine:
         prefix_kv = kwargs.get("prefix_kv")
         if prefix_kv is not None:
             cached = max(cached, prefix_kv.shape[0] * self.engine.config.block_size)
-        self.incoming_tokens += len(prompt_ids) - cached
+        todo = len(prompt_ids) - cached
+        self.incoming_tokens += todo
 
         def add() -> None:
-            self.incoming_tokens -= len(prompt_ids) - cached
+            self.incoming_tokens -= todo
             seq = self.engine.add_request(request_id, prompt_ids, params, **kwargs)
             seq.expected_cached_tokens = cached
 
