@@ -205,11 +205,11 @@ class Cluster:
             self.max_events = 50_000 * (len(arrivals) + (closed.concurrency if closed else 0)) + 10**6
         it = iter(arrivals)
         self._next_arrival(it)
+        for w in self.prefill_pool + self.decode_pool:  # before the closed loop's first requests come
+            self._mark_hungry(w)
         if closed is not None:
             for _ in range(closed.concurrency):
                 self._closed_next(0.0)
-        for w in self.prefill_pool + self.decode_pool:
-            self._mark_hungry(w)
         if self.scaler is not None:
             self._push(0.0, TICK, None)
         heap, pop = self.heap, heapq.heappop
