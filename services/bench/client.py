@@ -51,6 +51,7 @@ class RequestRecord:
     cost: dict[str, Any] | None = None
     timing_ms: dict[str, float] | None = None
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server sends it
+    draft_tokens: int | None = None  # pdserve's usage.draft_tokens: speculative tokens its steps verified
 
     @property
     def ok(self) -> bool:
@@ -176,6 +177,8 @@ async def _stream(client: httpx.AsyncClient, target: Target, spec: RequestSpec, 
                 rec.cost, rec.timing_ms = usage.get("cost"), usage.get("timing_ms")
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
                 rec.cached_tokens = int(cached) if cached is not None else None
+                drafts = usage.get("draft_tokens")
+                rec.draft_tokens = int(drafts) if drafts is not None else None
             for choice in event.get("choices") or []:
                 text = (choice.get("delta") or {}).get("content") if text_key else choice.get("text")
                 if text:

@@ -16,9 +16,12 @@ import logging
 import math
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from services.bench.workloads import CHAT_PROMPT_TOKENS
+from services.planner.calibrate import scale_tokens
 
 log = logging.getLogger("pdserve.accuracy")
 
@@ -27,7 +30,7 @@ log = logging.getLogger("pdserve.accuracy")
 METRICS = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("itl_ms", "p50"), ("itl_ms", "p90"), ("request_throughput", None),
            ("tpot_ms", "p50"))
 ASSERTED = {"ttft_p50", "ttft_p90", "itl_p50", "itl_p90", "request_throughput"}
-INPUTS = {"case", "tokens_per_event"}  # a row's keys that are not compared metrics
+INPUTS = {"case", "tokens_per_event", "drafts_per_event"}  # a row's keys that are not compared metrics
 
 
 @dataclass(frozen=True)
@@ -40,37 +43,56 @@ class Case:
     input_len: tuple[int, int] | None = None
     output_len: tuple[int, int] | None = None
     duration_s: float | None = None
+    # interference: the long prompts' lengths, the first one's arrival and the time between them
+    long_len: tuple[int, int] = (600, 1200)
+    warmup_s: float = 3.0
+    long_interval_s: float = 4.0
+
+    def scaled(self, s: float) -> Case:
+        """The case on a host `s`² times slower at prefill than the one it was sized on (see
+        `calibrate.host_scale`): prompts `s`× shorter and arrivals `s`× further apart, so its prefill
+        pool is as busy; answers as long (ITL needs their gaps), so its decode pool is busier."""
+        if s == 1.0:
+            return self
+        return replace(self, rate=self.rate / s, duration_s=self.duration_s and self.duration_s * s,
+                       input_len=self.input_len and scale_tokens(self.input_len, s),
+                       long_len=scale_tokens(self.long_len, s), warmup_s=self.warmup_s * s,
+                       long_interval_s=self.long_interval_s * s)
 
 
 CASES = (
-    Case("chat low", "chat", rate=0.5, num_requests=10, output_len=(24, 48)),
-    Case("chat high", "chat", rate=2.0, num_requests=14, output_len=(24, 48)),
+    Case("chat low", "chat", rate=0.5, num_requests=10, input_len=CHAT_PROMPT_TOKENS, output_len=(24, 48)),
+    Case("chat high", "chat", rate=2.0, num_requests=14, input_len=CHAT_PROMPT_TOKENS, output_len=(24, 48)),
     Case("long-doc low", "long-doc", rate=0.2, num_requests=5, input_len=(600, 1200), output_len=(16, 32)),
     Case("long-doc high", "long-doc", rate=0.6, num_requests=8, input_len=(600, 1200), output_len=(16, 32)),
-    Case("interference low", "interference", concurrency=2, output_len=(24, 48), duration_s=12.0),
-    Case("interference high", "interference", concurrency=4, output_len=(24, 48), duration_s=12.0),
+    Case("interference low", "interference", concurrency=2, input_len=CHAT_PROMPT_TOKENS, output_len=(24, 48),
+         duration_s=12.0),
+    Case("interference high", "interference", concurrency=4, input_len=CHAT_PROMPT_TOKENS, output_len=(24, 48),
+         duration_s=12.0),
 )
-LONG_LEN, LONG_OUT, WARMUP_S, LONG_INTERVAL_S = (600, 1200), (16, 32), 3.0, 4.0
+LONG_OUT = (16, 32)
 
 
-def _real(url: str, gguf: str, case: Case, seed: int) -> tuple[dict[str, Any], float]:
-    """The case's summary, and the tokens per event its streams got (its speculative acceptance:
-    a property of the workload and of what the proposer has seen, which the simulator is told)."""
+def _real(url: str, gguf: str, case: Case, seed: int) -> tuple[dict[str, Any], float, float | None]:
+    """The case's summary, the tokens per event its streams got and the drafts per event their
+    steps verified (its speculative acceptance and effort: a property of the workload and of what
+    the proposer has seen, which the simulator is told)."""
     from services.bench.runner import BenchConfig, run_benchmark
-    from services.planner.calibrate import tokens_per_event
+    from services.planner.calibrate import drafts_per_event, tokens_per_event
 
     common = dict(workload=case.workload, prompt_tokens=case.input_len, output_tokens=case.output_len,
                   tokenizer=gguf, progress=False, seed=seed)
     if case.workload == "interference":
-        cfg = BenchConfig(url, max_concurrency=case.concurrency, duration_s=case.duration_s, warmup_s=WARMUP_S,
-                          long_interval_s=LONG_INTERVAL_S, long_prompt_tokens=LONG_LEN, long_output_tokens=LONG_OUT,
-                          interference_phases=("long",), **common)
+        cfg = BenchConfig(url, max_concurrency=case.concurrency, duration_s=case.duration_s, warmup_s=case.warmup_s,
+                          long_interval_s=case.long_interval_s, long_prompt_tokens=case.long_len,
+                          long_output_tokens=LONG_OUT, interference_phases=("long",), **common)
         run = run_benchmark(cfg).runs[0]
+        chat = [r for r in run.records if r.kind == "chat"]
         return (run.summary["by_kind"]["chat"] | {"request_throughput": run.summary["request_throughput"]},
-                tokens_per_event([r for r in run.records if r.kind == "chat"]))
+                tokens_per_event(chat), drafts_per_event(chat))
     cfg = BenchConfig(url, num_requests=case.num_requests, request_rates=(case.rate,), **common)
     run = run_benchmark(cfg).runs[0]
-    return run.summary, tokens_per_event(run.records)
+    return run.summary, tokens_per_event(run.records), drafts_per_event(run.records)
 
 
 def _simulated(profile, case: Case, seed: int) -> dict[str, Any]:
@@ -81,13 +103,13 @@ def _simulated(profile, case: Case, seed: int) -> dict[str, Any]:
     config = ClusterConfig()
     if case.workload == "interference":
         chat = Workload("chat", seed, prompt_tokens=case.input_len, output_tokens=case.output_len)
-        long = Workload("long-doc", seed, prompt_tokens=LONG_LEN, output_tokens=LONG_OUT)
-        arrivals, at, k = [], WARMUP_S, 0
+        long = Workload("long-doc", seed, prompt_tokens=case.long_len, output_tokens=LONG_OUT)
+        arrivals, at, k = [], case.warmup_s, 0
         while at < case.duration_s:
             arrivals.append(bench_request(long, k, at))
-            at, k = at + LONG_INTERVAL_S, k + 1
+            at, k = at + case.long_interval_s, k + 1
         closed = ClosedLoop(lambda i: bench_request(chat, 1_000_000 + i, 0.0), case.concurrency, case.duration_s)
-        s = simulate(profile, config, arrivals, closed=closed, itl_from_s=WARMUP_S)
+        s = simulate(profile, config, arrivals, closed=closed, itl_from_s=case.warmup_s)
         return s["by_kind"]["chat"] | {"request_throughput": s["request_throughput"]}
     reqs = poisson_requests(case.workload, case.rate, seed, num_requests=case.num_requests,
                             prompt_tokens=case.input_len, output_tokens=case.output_len)
@@ -100,7 +122,7 @@ def _value(summary: dict[str, Any], metric: str, q: str | None) -> float:
 
 def compare(cases=CASES, seed: int = 4242, quick_profile: bool = True) -> dict[str, Any]:
     """Profile, calibrate and run every case for real and in simulation; relative errors per metric."""
-    from services.planner.calibrate import calibrate, engine_up_args, measure_stack
+    from services.planner.calibrate import calibrate, engine_up_args, host_scale, measure_stack
     from services.planner.profile import ProfileConfig, run_profile
     from services.up import add_up_args, start_stack, wait_healthy
     from shared.model.hub import resolve_model_path
@@ -114,6 +136,10 @@ def compare(cases=CASES, seed: int = 4242, quick_profile: bool = True) -> dict[s
     add_engine_args(engine_args)  # the workers' engine defaults, one thread each (2 engines on 2 cores)
     engine = engine_config(engine_args.parse_args(["--threads", "1"]))
     engine_profile = Profile.from_json(run_profile(ProfileConfig(engine=engine, quick=quick_profile)))
+    scale = host_scale(engine_profile)
+    if scale > 1:
+        log.info("this host prefills %.1f× slower than the cases were sized for: prompts ÷ %.2f, arrivals × %.2f",
+                 scale ** 2, scale, scale)
     gguf = str(resolve_model_path(None))
     parser = argparse.ArgumentParser()
     add_up_args(parser)
@@ -123,29 +149,33 @@ def compare(cases=CASES, seed: int = 4242, quick_profile: bool = True) -> dict[s
     rows = []
     try:
         wait_healthy(stack, url, timeout=180)
-        profile = calibrate(engine_profile, measure_stack(url, gguf))
-        for i, case in enumerate(cases):
-            real, tau = _real(url, gguf, case, seed + i)
-            sim = _simulated(profile.with_tokens_per_event(tau), case, seed + i)
-            row = {"case": case.name, "tokens_per_event": tau}
+        profile = calibrate(engine_profile, measure_stack(url, gguf, scale=scale))
+        for i, case in enumerate(c.scaled(scale) for c in cases):
+            real, tau, drafts = _real(url, gguf, case, seed + i)
+            sim = _simulated(profile.with_tokens_per_event(tau, drafts), case, seed + i)
+            row = {"case": case.name, "tokens_per_event": tau, "drafts_per_event": drafts}
             for metric, q in METRICS:
                 key = metric.replace("_ms", "") + (f"_{q}" if q else "")
                 r, s = _value(real, metric, q), _value(sim, metric, q)
                 row[key] = {"real": r, "sim": s, "error": (s - r) / r if r else math.inf}
             rows.append(row)
-            log.info("%s (%.2f tokens per event): %s", case.name, tau,
+            log.info("%s (%.2f tokens, %s drafts per event): %s", case.name, tau,
+                     "?" if drafts is None else f"{drafts:.2f}",
                      {k: f"{v['error']:+.0%}" for k, v in row.items() if k not in INPUTS})
     finally:
         stack.stop()
-    return {"rows": rows, "calibration": profile.meta.get("calibration"), "wall_s": time.perf_counter() - t0}
+    return {"rows": rows, "host_scale": scale, "calibration": profile.meta.get("calibration"),
+            "profile": profile.to_json(), "wall_s": time.perf_counter() - t0}
 
 
 def format_table(result: dict[str, Any]) -> str:
     keys = [k for k in result["rows"][0] if k not in INPUTS]
-    lines = ["| case | tokens/event | " + " | ".join(keys) + " |", "|---" * (len(keys) + 2) + "|"]
+    lines = ["| case | tokens/event | drafts/event | " + " | ".join(keys) + " |", "|---" * (len(keys) + 3) + "|"]
     for row in result["rows"]:
         cells = [f"{row[k]['sim']:.4g} / {row[k]['real']:.4g} ({row[k]['error']:+.0%})" for k in keys]
-        lines.append(f"| {row['case']} | {row.get('tokens_per_event', 1.0):.2f} | " + " | ".join(cells) + " |")
+        drafts = row.get("drafts_per_event")
+        lines.append(f"| {row['case']} | {row.get('tokens_per_event', 1.0):.2f} | "
+                     f"{'?' if drafts is None else f'{drafts:.2f}'} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -7,9 +7,11 @@ prefill worker runs at nice 10, so it yields first). Four short runs against a r
 it:
 
     prefill   batch-1 TTFT at two prompt lengths:  TTFT = s_p · prefill step + request overhead
-    decode    the event gap (one step), in two parts: per request of the batch-1 run, (tokens per
-              event τ, mean gap) fitted as gap = plain + spec·(τ − 1) (a speculative step verifies
-              longer drafts when more of them are kept; per sequence, see Profile.spec_token_s); then
+    decode    the event gap (one step), in two parts: per request of the batch-1 run, (draft tokens
+              verified per event d, mean gap) fitted as gap = plain + spec·d (a speculative step
+              verifies its drafts, kept or not; per sequence, see Profile.spec_token_s; τ − 1 stands
+              in for d where the server does not report usage.draft_tokens; where the requests'
+              d are too alike to read a slope from, the engine's own cost of a row is spec); then
               the plain step fitted as base + per sequence + per context token, each ≥ 0, on batch 1
               at 128 and 768 tokens of context and batch `high_batch` (the profiled step's parts
               scaled by one factor when no such fit exists; on 2 shared cores the per-sequence part
@@ -18,7 +20,7 @@ it:
               it): the simulator's decode fit is per token, step ÷ τ, and it groups τ token gaps into
               one event gap. τ is the workload's, not the machine's: the same requests got 1.8 and
               2.9 tokens an event in two runs, the second time the suffix proposer had seen their
-              answers. `Profile.with_tokens_per_event` moves a profile to another workload's τ.
+              answers. `Profile.with_tokens_per_event` moves a profile to another workload's τ and d.
     lending   engines on one host lend each other their cores while idle, and the runs above see the
               lent case: a batch-1 run prefills with the decode worker idle. A fourth run, 2 chat
               streams beside long prompts, measures both pools busy at once: the long prompts' TTFT
@@ -36,6 +38,7 @@ acceptance grows with what it has seen).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import tempfile
@@ -60,10 +63,21 @@ class CalibrationRun:
     # per request: (tokens per event, mean event gap in s), each after its first event, first gap left out
     per_request: tuple[tuple[float, float], ...] = ()
     first_gap_s: float = 0.0  # the mean gap from the first token to the next event (the KV handoff in it)
+    # per request, aligned with per_request: draft tokens its steps verified per event (usage.draft_tokens
+    # over its events after the first); empty when the server did not say
+    drafts: tuple[float, ...] = ()
 
     @property
     def tokens_per_event(self) -> float:
         return sum(t for t, _ in self.per_request) / len(self.per_request) if self.per_request else 1.0
+
+    @property
+    def extra_rows(self) -> float:
+        """Rows a sequence's step verified beyond its one token, per event: the drafts where known,
+        else the tokens kept beyond one (τ − 1: a lower bound)."""
+        if self.drafts:
+            return sum(self.drafts) / len(self.drafts)
+        return self.tokens_per_event - 1
 
     @property
     def event_gap_s(self) -> float:
@@ -81,8 +95,30 @@ class LendingRun:
 
 # (concurrency, prompt tokens, output tokens): answers as long as the cases' (24-48 tokens)
 RUNS = ((1, 128, 40), (1, 768, 12), (4, 128, 40))
-LEND_STREAMS, LEND_PROMPT, LEND_INTERVAL_S, LEND_DURATION_S = 2, 768, 3.0, 12.0
+# the streams' prompts short (the calibration's short ones), so that the long ones seldom queue behind them
+LEND_STREAMS, LEND_PROMPT, LEND_STREAM_PROMPT, LEND_INTERVAL_S, LEND_DURATION_S = 2, 768, 128, 3.0, 12.0
 SHAPE_POINTS = tuple((i + 0.5) / 20 for i in range(20))
+HOST_REFERENCE_TOKENS = 256  # the prefill point (1 sequence, from 0) both profile grids measure
+
+
+def host_scale(profile: Profile, reference: dict | None = None) -> float:
+    """How far to stretch the served runs here, against the host they were sized on (the one the
+    shipped CPU profile was measured on, or `reference`: a profile file's JSON with its points):
+    √ of how much slower this profile's prefill is, at least 1. The runs' prompts are cut by it
+    and their arrivals spread by it, so a prefill pool is as busy as there and a run takes `s`×
+    its time, not `s`²× (an AVX2-only Zen 1 prefills ~8× slower than the AVX-512 VNNI Zen 4:
+    2.9×); answers keep their length, for their gaps."""
+    from shared.sim.cost import DEFAULT_PROFILE
+
+    ref = reference or json.loads(DEFAULT_PROFILE.read_text())
+    n = HOST_REFERENCE_TOKENS
+    ref_s = next(p["seconds"] for p in ref["prefill"]["points"]
+                 if (p["seqs"], p["tokens"], p["offset"]) == (1, n, 0))
+    return math.sqrt(max(1.0, profile.prefill_time(n, n * n / 2, 1) / ref_s))
+
+
+def scale_tokens(bounds: tuple[int, int], s: float, least: int = 16) -> tuple[int, int]:
+    return tuple(max(least, round(b / s)) for b in bounds)
 
 
 def first_gap(records) -> float:
@@ -114,51 +150,72 @@ def gap_quantiles(records) -> tuple[float, ...]:
     return tuple(gaps[min(len(gaps) - 1, int(q * len(gaps)))] / mean for q in SHAPE_POINTS)
 
 
-def per_request(records) -> tuple[tuple[float, float], ...]:
-    out = []
+def per_request(records) -> tuple[tuple[tuple[float, float], ...], tuple[float, ...]]:
+    """(tokens per event, mean event gap) of each request with gaps to read, and the draft tokens
+    each verified per event (empty unless every one of them says)."""
+    out, drafts = [], []
     for r in records:
         gaps = later_gaps(r) if r.ok else []
         if len(gaps) >= 2:
             out.append((tokens_per_event([r]), sum(gaps) / len(gaps)))
-    return tuple(out)
+            drafts.append(drafts_per_event([r]))
+    return tuple(out), (tuple(drafts) if None not in drafts else ())
 
 
-def measure_stack(base_url: str, gguf: str | None, high_batch: int = 4, seed: int = 9000) -> list[CalibrationRun]:
-    """Closed-loop runs (each its own prompts) against the server at `base_url`."""
+def drafts_per_event(records) -> float | None:
+    """Draft tokens verified per event after the first (the decode steps), over `records`; None
+    when a record does not say (another server, or no usage sent)."""
+    if any(r.draft_tokens is None for r in records):
+        return None
+    events = sum(len(r.token_times_s) - 1 for r in records if r.ok and len(r.token_times_s) > 1)
+    return sum(r.draft_tokens for r in records if r.ok and len(r.token_times_s) > 1) / events if events else 0.0
+
+
+def measure_stack(base_url: str, gguf: str | None, high_batch: int = 4, seed: int = 9000,
+                  scale: float = 1.0) -> list[CalibrationRun]:
+    """Closed-loop runs (each its own prompts) against the server at `base_url`, stretched by
+    `scale` (`host_scale`): prompts that much shorter, the lending run's arrivals further apart."""
     from services.bench.runner import BenchConfig, run_benchmark
 
     # a fresh stack's first requests pay one-off costs (first calls of each shape, connections):
     # warm it up the way the runs to predict will find it, and measure only after that
     run_benchmark(BenchConfig(base_url, workload="chat", num_requests=6, max_concurrency=high_batch,
-                              prompt_tokens=(128, 768), output_tokens=(8, 24), tokenizer=gguf, progress=False,
+                              prompt_tokens=scale_tokens((128, 768), scale), output_tokens=(8, 24), tokenizer=gguf,
+                              progress=False,
                               seed=seed - 1))
     runs = []
     for k, (batch, prompt, out) in enumerate(RUNS):
         batch = high_batch if batch > 1 else 1
-        cfg = BenchConfig(base_url, workload="chat", num_requests=3 * batch + 5 if prompt < 512 else 3,
+        n = 3 * batch + 5 if prompt < 512 else 3
+        prompt = scale_tokens((prompt, prompt), scale)[0]
+        cfg = BenchConfig(base_url, workload="chat", num_requests=n,
                           max_concurrency=batch, prompt_tokens=(prompt, prompt), output_tokens=(out, out),
                           tokenizer=gguf, progress=False, seed=seed + k)
         run = run_benchmark(cfg).runs[0]
         s = run.summary
         if s["failed"]:
             raise RuntimeError(f"calibration run at batch {batch}: {s['failed']} requests failed")
+        points, drafts = per_request(run.records)
         runs.append(CalibrationRun(batch, prompt, out, s["itl_ms"]["mean"] / 1e3, s["ttft_ms"]["p50"] / 1e3,
-                                   s["tpot_ms"]["mean"] / 1e3, gap_quantiles(run.records), per_request(run.records),
-                                   first_gap(run.records)))
+                                   s["tpot_ms"]["mean"] / 1e3, gap_quantiles(run.records), points,
+                                   first_gap(run.records), drafts))
         log.info("calibration batch %d, %d-token prompts: ITL mean %.1f ms, TPOT mean %.1f ms, TTFT p50 %.1f ms, "
                  "%.2f tokens per event", batch, prompt, s["itl_ms"]["mean"], s["tpot_ms"]["mean"], s["ttft_ms"]["p50"],
                  runs[-1].tokens_per_event)
-    runs.append(measure_lending(base_url, gguf, seed + len(RUNS)))
+    runs.append(measure_lending(base_url, gguf, seed + len(RUNS), scale))
     return runs
 
 
-def measure_lending(base_url: str, gguf: str | None, seed: int) -> LendingRun:
+def measure_lending(base_url: str, gguf: str | None, seed: int, scale: float = 1.0) -> LendingRun:
     """Long prompts every few seconds beside 2 chat streams: their TTFTs, and the streams' event
     gaps while a long prompt was prefilled vs while none was."""
     from services.bench.runner import BenchConfig, run_benchmark
 
-    cfg = BenchConfig(base_url, workload="interference", max_concurrency=LEND_STREAMS, duration_s=LEND_DURATION_S,
-                      warmup_s=1.0, long_interval_s=LEND_INTERVAL_S, long_prompt_tokens=(LEND_PROMPT, LEND_PROMPT),
+    prompt = scale_tokens((LEND_PROMPT, LEND_PROMPT), scale)
+    cfg = BenchConfig(base_url, workload="interference", max_concurrency=LEND_STREAMS,
+                      duration_s=LEND_DURATION_S * scale, warmup_s=scale, long_interval_s=LEND_INTERVAL_S * scale,
+                      long_prompt_tokens=prompt,
+                      prompt_tokens=scale_tokens((LEND_STREAM_PROMPT, LEND_STREAM_PROMPT), scale),
                       long_output_tokens=(2, 2), interference_phases=("long",), output_tokens=(40, 40),
                       tokenizer=gguf, progress=False, seed=seed)
     records = run_benchmark(cfg).runs[0].records
@@ -179,9 +236,9 @@ def measure_lending(base_url: str, gguf: str | None, seed: int) -> LendingRun:
     if len(during) < 10 or len(alone) < 10:
         raise RuntimeError(f"calibration: too few event gaps in the lending run ({len(during)} during a long "
                            f"prefill, {len(alone)} without)")
-    run = LendingRun(tuple((LEND_PROMPT, r.ttft_s) for r in longs), sum(during) / len(during), sum(alone) / len(alone))
+    run = LendingRun(tuple((prompt[0], r.ttft_s) for r in longs), sum(during) / len(during), sum(alone) / len(alone))
     log.info("calibration, %d chat streams beside %d-token prompts: TTFT %s ms; event gap %.1f ms while one "
-             "prefilled, %.1f ms otherwise", LEND_STREAMS, LEND_PROMPT, [round(1e3 * x) for _, x in run.prefills],
+             "prefilled, %.1f ms otherwise", LEND_STREAMS, prompt[0], [round(1e3 * x) for _, x in run.prefills],
              1e3 * run.gap_prefilling_s, 1e3 * run.gap_alone_s)
     return run
 
@@ -240,7 +297,9 @@ def calibrate(profile: Profile, runs: list) -> Profile:
     # the closed-loop runs prefill with the decode worker idle, on its cores too; beside streams
     # that decode, a prefill step keeps to its own, and a decode step of 2 sequences to its own
     alone = [s_p * profile.prefill_time(n, n * n / 2, 1) for n, _ in lending.prefills]
-    unlent = (max(1.0, sum(ttft - request_overhead for _, ttft in lending.prefills) / sum(alone)),
+    # the median long prompt: one that queued behind another (or a stream's prompt) is no measure
+    slowed = [(ttft - request_overhead) / a for (_, ttft), a in zip(lending.prefills, alone)]
+    unlent = (max(1.0, float(np.median(slowed))),
               max(1.0, lending.gap_prefilling_s / lending.gap_alone_s))
 
     # decode, in events: a served step at one token an event (plain decoding) at batch 1 at short
@@ -249,10 +308,15 @@ def calibrate(profile: Profile, runs: list) -> Profile:
     # points as base + per sequence + per context token, each ≥ 0 (the engine's own split can put
     # a whole part at 0, and on shared cores a step of a few sequences costs little more than one);
     # the profile's parts scaled by one common factor when the points admit no such fit
-    plain1, spec = spec_token_cost(short.per_request)
-    if spec == 0.0:
-        plain1 = short.event_gap_s
-    points = [(short, plain1)] + [(r, r.event_gap_s - spec * r.batch * (r.tokens_per_event - 1)) for r in (long, wide)]
+    # per request (1 + drafts per event, gap) where the drafts are known, else (τ, gap)
+    xs = [1 + d for d in short.drafts] if short.drafts else [t for t, _ in short.per_request]
+    plain1, spec = spec_token_cost(tuple(zip(xs, (g for _, g in short.per_request))))
+    if spec == 0.0:  # the requests too alike to read a slope from: the engine's own cost of a row
+        spec = profile.draft_row_s
+        plain1 = short.event_gap_s - spec * short.extra_rows
+        if plain1 <= 0:
+            spec, plain1 = 0.0, short.event_gap_s
+    points = [(short, plain1)] + [(r, r.event_gap_s - spec * r.batch * r.extra_rows) for r in (long, wide)]
     rows = np.array([[1.0, r.batch, r.batch * (r.prompt_tokens + r.output_tokens // 2)] for r, _ in points])
     fit = _non_negative_fit(rows, np.array([g for _, g in points]))
     if fit is None:  # a point at or below zero: the engine's parts, scaled to meet batch 1
@@ -267,18 +331,20 @@ def calibrate(profile: Profile, runs: list) -> Profile:
     prefill_fit = PrefillFit(s_p * p.base_s, s_p * p.per_token_s, s_p * p.per_attn_pair_s, s_p * p.per_seq_s)
     meta = dict(profile.meta) | {"calibration": {
         "prefill_slowdown": s_p, "decode_plain_fit": asdict(plain_fit),
-        "spec_token_s": spec, "request_overhead_s": request_overhead, "tokens_per_event": tau, "itl_shape": shape,
+        "spec_token_s": spec, "request_overhead_s": request_overhead, "tokens_per_event": tau,
+        "drafts_per_event": short.extra_rows if short.drafts else None, "itl_shape": shape,
         "unlent": unlent, "handoff_s": handoff, "runs": [r.__dict__ for r in runs]}}
     log.info("calibration: prefill ×%.2f, plain decode step %.2f ms + %.2f ms a sequence + %.3f µs a context token, "
-             "×%.2f a prefill step and ×%.2f a decode step that cannot borrow, %.1f ms more a sequence's step per token "
-             "an event, request overhead %.1f ms, handoff %.1f ms, %.2f tokens per event, event gaps p10/p50/p90 at "
+             "×%.2f a prefill step and ×%.2f a decode step that cannot borrow, %.1f ms more a sequence's step a "
+             "draft, request overhead %.1f ms, handoff %.1f ms, %.2f tokens per event, event gaps p10/p50/p90 at "
              "×%.2f/%.2f/%.2f of the mean",
              s_p, 1e3 * plain_fit.base_s, 1e3 * plain_fit.per_seq_s, 1e6 * plain_fit.per_ctx_token_s, *unlent,
              1e3 * spec, 1e3 * request_overhead, 1e3 * handoff, tau, shape[len(shape) // 10], shape[len(shape) // 2],
              shape[len(shape) * 9 // 10])
     plain = replace(profile, prefill=prefill_fit, decode=plain_fit, request_overhead_s=request_overhead, handoff_s=handoff,
-                    tokens_per_event=1.0, spec_token_s=spec, itl_shape=shape, unlent=unlent, meta=meta)
-    return plain.with_tokens_per_event(tau)
+                    tokens_per_event=1.0, drafts_per_event=0.0 if short.drafts else None, spec_token_s=spec,
+                    itl_shape=shape, unlent=unlent, meta=meta)
+    return plain.with_tokens_per_event(tau, short.extra_rows if short.drafts else None)
 
 
 def engine_up_args(engine) -> list[str]:
@@ -299,7 +365,7 @@ def calibrate_on_new_stack(profile: Profile, up_args: list[str] | None = None) -
     stack, url = start_stack(args)
     try:
         wait_healthy(stack, url, timeout=180)
-        return calibrate(profile, measure_stack(url, str(resolve_model_path(args.model))))
+        return calibrate(profile, measure_stack(url, str(resolve_model_path(args.model)), scale=host_scale(profile)))
     finally:
         stack.stop()
 

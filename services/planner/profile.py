@@ -261,7 +261,10 @@ def run_profile(config: ProfileConfig) -> dict[str, Any]:
             "isa": cpu_ext.cpu_isa() if e.device == "cpu" else "", "quick": config.quick,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "wall_s": round(time.perf_counter() - t0, 1), "transfer_measured": config.transfer}
-    profile = Profile(prefill=prefill_fit, decode=decode_fit, transfer=transfer, limits=limits, meta=meta)
+    spec = prof.engine.spec
+    draft_row_s = row_cost(spec.cost.rows, spec.cost.secs) if spec is not None else 0.0
+    profile = Profile(prefill=prefill_fit, decode=decode_fit, transfer=transfer, limits=limits,
+                      draft_row_s=draft_row_s, meta=meta)
     if config.stack:
         from services.planner.calibrate import calibrate_on_new_stack, engine_up_args
 
@@ -273,6 +276,18 @@ def run_profile(config: ProfileConfig) -> dict[str, Any]:
     data["engine_overhead"] = overhead
     data["kv_transfer_points"] = transfer_points
     return data
+
+
+def row_cost(rows: list[int], secs: list[float], up_to: int = 16) -> float:
+    """Seconds one more row adds to a step (a speculative draft verified: the engine's own table of
+    step time by rows, measured at its start): the least-squares slope over the rows a decode
+    batch of a few sequences verifies (1 … `up_to`); 0 if the table has no such line."""
+    pts = [(r, t) for r, t in zip(rows, secs) if r <= up_to]
+    if len(pts) < 2:
+        return 0.0
+    mr, mt = sum(r for r, _ in pts) / len(pts), sum(t for _, t in pts) / len(pts)
+    slope = sum((r - mr) * (t - mt) for r, t in pts) / sum((r - mr) ** 2 for r, _ in pts)
+    return max(0.0, slope)
 
 
 def add_profile_args(p: argparse.ArgumentParser) -> None:

@@ -43,6 +43,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens-per-event", type=float, default=None,
                    help="the workload's tokens per streamed event with speculative decoding (its acceptance; "
                         "default: the profile's calibration)")
+    p.add_argument("--drafts-per-event", type=float, default=None,
+                   help="the draft tokens a sequence's step verifies, per event (pdserve's usage.draft_tokens over "
+                        "the events; default: the profile's, moved as --tokens-per-event moves)")
     p.add_argument("--mode", default="disaggregated", choices=MODES)
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers (colocated: engine workers)")
@@ -175,8 +178,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from services.bench.report import _title, format_summary
 
     profile = load_profile(args.profile)
-    if args.tokens_per_event is not None:
-        profile = profile.with_tokens_per_event(args.tokens_per_event)
+    if args.tokens_per_event is not None or args.drafts_per_event is not None:
+        profile = profile.with_tokens_per_event(args.tokens_per_event or profile.tokens_per_event,
+                                                args.drafts_per_event)
     config = cluster_config(args)
     runs = run_simulation(args, profile, config)
     report = {"model": profile.meta.get("model", "?"), "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -111,6 +111,13 @@ class Profile:
     # gap was 43.6 ms against 27 ms for 40-token ones (τ 1.4–1.7), ~3 ms per sequence per extra
     # token, as at batch 1
     spec_token_s: float = 0.0
+    # the draft tokens a sequence's step verified, per event, where the calibration measured them
+    # (pdserve's usage.draft_tokens); None: τ − 1 stands in (kept drafts only, a lower bound).
+    # `spec_token_s` is per such draft row when they were measured
+    drafts_per_event: float | None = None
+    # the engine's own measure of what one more row costs a step (its table of step time by rows):
+    # what a calibration falls back on when its requests' acceptance is too alike to read a slope
+    draft_row_s: float = 0.0
     # engines on one host lend each other their cores while idle (`pdserve up`: shared/engine/cores.py),
     # and the fits above are of the lent case, as a calibration sees it: (prefill, decode) is what a
     # step takes instead, ×, when it cannot borrow — a prefill step while a decode worker holds
@@ -128,21 +135,30 @@ class Profile:
             raise ValueError(f"profile: tokens_per_event must be >= 1, got {self.tokens_per_event}")
         if not self.itl_shape or min(self.itl_shape) <= 0:
             raise ValueError(f"profile: itl_shape must be positive factors, got {self.itl_shape}")
+        if (self.drafts_per_event is not None and not self.drafts_per_event >= 0) or not self.draft_row_s >= 0:
+            raise ValueError("profile: drafts_per_event and draft_row_s must be >= 0")
         if len(self.unlent) != 2 or not min(self.unlent) >= 1:
             raise ValueError(f"profile: unlent must be two factors >= 1, got {self.unlent}")
 
-    def with_tokens_per_event(self, tau: float) -> Profile:
+    def with_tokens_per_event(self, tau: float, drafts: float | None = None) -> Profile:
         """This profile for a workload whose streams get `tau` tokens an event (its drafts accepted
-        more or less often than the calibration's): a step grows by `spec_token_s` per sequence for
-        each extra token, and the decode fit (per token) is that step ÷ τ."""
+        more or less often than the calibration's), verifying `drafts` draft tokens a sequence's
+        step (None: as many more or fewer than the calibration's as tokens kept): a step grows by
+        `spec_token_s` per sequence for each extra draft, and the decode fit (per token) is that
+        step ÷ τ."""
         if not tau >= 1:
             raise ValueError(f"tokens per event must be >= 1, got {tau}")
         t0, d = self.tokens_per_event, self.decode
-        per_seq = (d.per_seq_s * t0 + self.spec_token_s * (tau - t0)) / tau
+        d0 = t0 - 1 if self.drafts_per_event is None else self.drafts_per_event
+        d1 = d0 + (tau - t0) if drafts is None else drafts
+        if d1 < 0:
+            raise ValueError(f"drafts per event must be >= 0, got {d1}")
+        per_seq = (d.per_seq_s * t0 + self.spec_token_s * (d1 - d0)) / tau
         if per_seq < 0:
             raise ValueError(f"tokens per event {tau}: below what this profile's calibration can extrapolate to")
         fit = DecodeFit(d.base_s * t0 / tau, per_seq, d.per_ctx_token_s * t0 / tau)
-        return replace(self, decode=fit, tokens_per_event=tau)
+        known = None if drafts is None and self.drafts_per_event is None else d1
+        return replace(self, decode=fit, tokens_per_event=tau, drafts_per_event=known)
 
     # ----------------------------------------------------------------------------- step times
 
@@ -175,6 +191,7 @@ class Profile:
                 "request_overhead_s": self.request_overhead_s, "handoff_s": self.handoff_s,
                 "tokens_per_event": self.tokens_per_event,
                 "itl_shape": list(self.itl_shape), "spec_token_s": self.spec_token_s, "unlent": list(self.unlent),
+                "drafts_per_event": self.drafts_per_event, "draft_row_s": self.draft_row_s,
                 "prefill": {"fit": asdict(self.prefill)}, "decode": {"fit": asdict(self.decode)},
                 "kv_transfer": {path: {"write": asdict(t.write), "read": asdict(t.read)}
                                 for path, t in self.transfer.items()}}
@@ -193,6 +210,9 @@ class Profile:
                        tokens_per_event=float(data.get("tokens_per_event", 1.0)),
                        itl_shape=tuple(float(q) for q in data.get("itl_shape", (1.0,))),
                        spec_token_s=float(data.get("spec_token_s", 0.0)),
+                       drafts_per_event=None if data.get("drafts_per_event") is None
+                       else float(data["drafts_per_event"]),
+                       draft_row_s=float(data.get("draft_row_s", 0.0)),
                        unlent=tuple(float(f) for f in data.get("unlent", (1.0, 1.0))), meta=data.get("meta", {}))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"profile: malformed ({exc})") from None

@@ -38,3 +38,68 @@ def test_lending_that_speeds_nothing_is_no_factor_below_one():
     runs = _runs(unlent=(0.8, 0.9), handoff=-0.005)  # noise: beside the streams faster than alone
     p = calibrate(PROFILE, runs)
     assert p.unlent == (1.0, 1.0) and p.handoff_s == 0.0
+
+
+def test_a_slower_host_stretches_the_runs_so_its_prefill_pool_is_as_busy():
+    import dataclasses
+    import math
+
+    from services.planner.accuracy import CASES
+    from services.planner.calibrate import host_scale
+    from shared.sim.cost import PrefillFit
+
+    n = 256
+    here = PROFILE.prefill_time(n, n * n / 2, 1)
+    reference = {"prefill": {"points": [{"seqs": 1, "tokens": n, "offset": 0, "seconds": here}]}}
+    assert host_scale(PROFILE, reference) == pytest.approx(1.0)
+    p = PROFILE.prefill
+    slow = dataclasses.replace(PROFILE, prefill=PrefillFit(*(8 * x for x in (p.base_s, p.per_token_s,
+                                                                              p.per_attn_pair_s, p.per_seq_s))))
+    assert host_scale(slow, reference) == pytest.approx(math.sqrt(8))
+    fast = dataclasses.replace(PROFILE, prefill=PrefillFit(*(x / 2 for x in dataclasses.astuple(p))))
+    assert host_scale(fast, reference) == 1.0  # a faster host runs the cases as they are
+
+    s = math.sqrt(8)
+    for case in CASES:
+        scaled = case.scaled(s)
+        assert scaled.output_len == case.output_len  # answers keep their length: ITL needs their gaps
+        mean = sum(case.input_len) / 2
+        mean_scaled = sum(scaled.input_len) / 2
+        if math.isfinite(case.rate):  # prompt tokens arriving a second, × the slowdown: as busy
+            assert scaled.rate * mean_scaled * s * s == pytest.approx(case.rate * mean, rel=0.02)
+        else:
+            assert scaled.duration_s == pytest.approx(case.duration_s * s)
+            assert scaled.long_interval_s == pytest.approx(case.long_interval_s * s)
+            assert sum(scaled.long_len) * s == pytest.approx(sum(case.long_len), rel=0.02)
+
+
+def test_a_step_is_charged_by_the_drafts_it_verifies():
+    """Acceptance alike across the calibration's requests (no slope to read): the engine's own cost
+    of a row stands in; a workload whose steps verify more drafts gets longer event gaps."""
+    import dataclasses
+
+    runs = _runs()
+    short = dataclasses.replace(runs[0], drafts=(1.5,) * 4)  # 1.5 drafts a step, 1 of them kept (τ 2)
+    runs = [short, *runs[1:]]
+    engine = dataclasses.replace(PROFILE, draft_row_s=0.004)
+    p = calibrate(engine, runs)
+    assert p.spec_token_s == pytest.approx(0.004) and p.drafts_per_event == pytest.approx(1.5)
+
+    def gap(profile):  # an event's gap at batch 1: the step per token × tokens an event
+        return profile.decode_time(1, 148) * profile.tokens_per_event
+
+    more = p.with_tokens_per_event(2.0, drafts=3.5)  # as many kept, 2 more verified a step
+    assert gap(more) - gap(p) == pytest.approx(2 * 0.004)
+    assert gap(p.with_tokens_per_event(2.5)) - gap(p) == pytest.approx(0.5 * 0.004)  # drafts unknown: one a kept token
+    assert calibrate(PROFILE, runs).spec_token_s == 0.0  # no engine measure either: the step as it was
+
+
+def test_a_slope_across_requests_is_read_from_their_drafts():
+    import dataclasses
+
+    runs = _runs()
+    drafts = (0.5, 1.0, 2.0, 3.0)
+    points = tuple((2.0, 0.012 + 0.003 * d) for d in drafts)  # τ alike, the verified drafts not
+    runs[0] = dataclasses.replace(runs[0], per_request=points, drafts=drafts)
+    p = calibrate(dataclasses.replace(PROFILE, draft_row_s=0.010), runs)
+    assert p.spec_token_s == pytest.approx(0.003)  # the served slope, not the engine's

@@ -14,11 +14,11 @@ TOLERANCE = 0.15
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-@pytest.mark.xfail(strict=False, reason="issue 15 is open: the real stack is not repeatable to 15% here. Three runs "
-                   "of the same seeded cases on fresh stacks (2026-12-04) spread by more than 15% (max vs min) in 15 "
-                   "of the 30 cells (TTFT p50 at 2 req/s: 462-820 ms; long-doc ITL p90: 35-54 ms), and the simulator "
-                   "missed 11-21 cells a run, ITL 10-37% low in most; the table is printed either way")
+@pytest.mark.timeout(1200)  # ~9.5 min on an AVX2-only Zen 1 (its cases stretched ×3), ~3 on the AVX-512 host
+@pytest.mark.xfail(strict=False, reason="issue 15 is open: the real stack is not repeatable to 15% on these shared 2 "
+                   "cores. Three runs of the same seeded cases on fresh stacks (2026-12-04) spread by more than 15% (max "
+                   "vs min) in 15 of the 30 cells; on the AVX2 Zen 1 (2026-12-05, cases stretched ×3) the simulator "
+                   "missed 10-17 of 30 cells a run, in both directions (BENCHMARKS.md); the table is printed either way")
 def test_simulated_latencies_match_a_real_run(tmp_path):
     from services.planner.accuracy import ASSERTED, compare, format_table
 
