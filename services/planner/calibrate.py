@@ -181,8 +181,7 @@ def measure_stack(base_url: str, gguf: str | None, high_batch: int = 4, seed: in
     # warm it up the way the runs to predict will find it, and measure only after that
     run_benchmark(BenchConfig(base_url, workload="chat", num_requests=6, max_concurrency=high_batch,
                               prompt_tokens=scale_tokens((128, 768), scale), output_tokens=(8, 24), tokenizer=gguf,
-                              progress=False,
-                              seed=seed - 1))
+                              progress=False, seed=seed - 1))
     runs = []
     for k, (batch, prompt, out) in enumerate(RUNS):
         batch = high_batch if batch > 1 else 1
