@@ -133,12 +133,18 @@ def later_gaps(record) -> list[float]:
     return [b - a for a, b in zip(t[1:], t[2:])]
 
 
+def _streamed(records) -> tuple[list, int]:
+    """The answered records with an event after their first, and those later events (the decode
+    steps a stream saw)."""
+    streamed = [r for r in records if r.ok and len(r.token_times_s) > 1]
+    return streamed, sum(len(r.token_times_s) - 1 for r in streamed)
+
+
 def tokens_per_event(records) -> float:
     """Tokens a stream got per event after its first one, over `records` (a workload's acceptance
     with speculative decoding: 1 without it)."""
-    events = sum(len(r.token_times_s) - 1 for r in records if r.ok and len(r.token_times_s) > 1)
-    tokens = sum(r.output_tokens - 1 for r in records if r.ok and len(r.token_times_s) > 1)
-    return max(1.0, tokens / events) if events else 1.0
+    streamed, events = _streamed(records)
+    return max(1.0, sum(r.output_tokens - 1 for r in streamed) / events) if events else 1.0
 
 
 def gap_quantiles(records) -> tuple[float, ...]:
@@ -167,8 +173,8 @@ def drafts_per_event(records) -> float | None:
     when a record does not say (another server, or no usage sent)."""
     if any(r.draft_tokens is None for r in records):
         return None
-    events = sum(len(r.token_times_s) - 1 for r in records if r.ok and len(r.token_times_s) > 1)
-    return sum(r.draft_tokens for r in records if r.ok and len(r.token_times_s) > 1) / events if events else 0.0
+    streamed, events = _streamed(records)
+    return sum(r.draft_tokens for r in streamed) / events if events else 0.0
 
 
 def measure_stack(base_url: str, gguf: str | None, high_batch: int = 4, seed: int = 9000,

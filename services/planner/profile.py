@@ -285,9 +285,7 @@ def row_cost(rows: list[int], secs: list[float], up_to: int = 16) -> float:
     pts = [(r, t) for r, t in zip(rows, secs) if r <= up_to]
     if len(pts) < 2:
         return 0.0
-    mr, mt = sum(r for r, _ in pts) / len(pts), sum(t for _, t in pts) / len(pts)
-    slope = sum((r - mr) * (t - mt) for r, t in pts) / sum((r - mr) ** 2 for r, _ in pts)
-    return max(0.0, slope)
+    return max(0.0, statistics.linear_regression(*zip(*pts)).slope)
 
 
 def add_profile_args(p: argparse.ArgumentParser) -> None:

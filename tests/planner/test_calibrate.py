@@ -53,8 +53,7 @@ def test_a_slower_host_stretches_the_runs_so_its_prefill_pool_is_as_busy():
     reference = {"prefill": {"points": [{"seqs": 1, "tokens": n, "offset": 0, "seconds": here}]}}
     assert host_scale(PROFILE, reference) == pytest.approx(1.0)
     p = PROFILE.prefill
-    slow = dataclasses.replace(PROFILE, prefill=PrefillFit(*(8 * x for x in (p.base_s, p.per_token_s,
-                                                                              p.per_attn_pair_s, p.per_seq_s))))
+    slow = dataclasses.replace(PROFILE, prefill=PrefillFit(*(8 * x for x in dataclasses.astuple(p))))
     assert host_scale(slow, reference) == pytest.approx(math.sqrt(8))
     fast = dataclasses.replace(PROFILE, prefill=PrefillFit(*(x / 2 for x in dataclasses.astuple(p))))
     assert host_scale(fast, reference) == 1.0  # a faster host runs the cases as they are
