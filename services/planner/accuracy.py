@@ -1,7 +1,7 @@
 """Simulator vs reality on this machine: the same seeded workloads through a real `pdserve up` +
 `pdserve bench`, and through the simulator on a profile measured and calibrated minutes before.
 
-    python -m services.planner.accuracy --out accuracy.json     (≈ 3 min on 2 cores)
+    python -m services.planner.accuracy --out accuracy.json     (≈ 3 min on 2 AVX-512 cores, 9.5 on an AVX2 Zen 1)
 
 Cases (small and bounded, so the whole comparison fits a CI test): chat and long-doc at two Poisson
 rates, the interference mix at two chat concurrencies. Compared per case: TTFT p50/p90, ITL p50/p90
@@ -14,9 +14,10 @@ import argparse
 import json
 import logging
 import math
+import statistics
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -153,11 +154,7 @@ def compare(cases=CASES, seed: int = 4242, quick_profile: bool = True) -> dict[s
         for i, case in enumerate(c.scaled(scale) for c in cases):
             real, tau, drafts = _real(url, gguf, case, seed + i)
             sim = _simulated(profile.with_tokens_per_event(tau, drafts), case, seed + i)
-            row = {"case": case.name, "tokens_per_event": tau, "drafts_per_event": drafts}
-            for metric, q in METRICS:
-                key = metric.replace("_ms", "") + (f"_{q}" if q else "")
-                r, s = _value(real, metric, q), _value(sim, metric, q)
-                row[key] = {"real": r, "sim": s, "error": (s - r) / r if r else math.inf}
+            row = _row(case.name, {_key(m, q): _value(real, m, q) for m, q in METRICS}, sim, tau, drafts)
             rows.append(row)
             log.info("%s (%.2f tokens, %s drafts per event): %s", case.name, tau,
                      "?" if drafts is None else f"{drafts:.2f}",
@@ -165,7 +162,67 @@ def compare(cases=CASES, seed: int = 4242, quick_profile: bool = True) -> dict[s
     finally:
         stack.stop()
     # the calibrated profile: what was simulated (its meta["calibration"]: the runs it was read from)
-    return {"rows": rows, "host_scale": scale, "profile": profile.to_json(), "wall_s": time.perf_counter() - t0}
+    return {"rows": rows, "host_scale": scale, "seed": seed, "cases": [asdict(c) for c in cases],
+            "profile": profile.to_json(), "wall_s": time.perf_counter() - t0}
+
+
+def replay(run: dict[str, Any]) -> dict[str, Any]:
+    """A recorded comparison simulated again: its calibrated profile, host scale, and each case's τ
+    and drafts per event, against the real values it recorded. The simulator is deterministic, so a
+    change to it is checked against real runs in a fraction of a second (tests/sim/test_accuracy_replay.py).
+    A run recorded without its cases and seed (before 2026-12-06) ran `CASES` from seed 4242."""
+    from shared.sim.cost import Profile
+
+    profile = Profile.from_json(run["profile"])
+    cases = [Case(**{k: tuple(v) if isinstance(v, list) else v for k, v in c.items()}) for c in run["cases"]] \
+        if "cases" in run else CASES
+    rows = []
+    for i, (case, old) in enumerate(zip(cases, run["rows"], strict=True)):
+        if case.name != old["case"]:
+            raise ValueError(f"recorded case {old['case']!r} is not {case.name!r}")
+        tau, drafts = old["tokens_per_event"], old["drafts_per_event"]
+        sim = _simulated(profile.with_tokens_per_event(tau, drafts), case.scaled(run["host_scale"]),
+                         run.get("seed", 4242) + i)
+        rows.append(_row(case.name, {k: v["real"] for k, v in old.items() if k not in INPUTS}, sim, tau, drafts))
+    return {"rows": rows, "host_scale": run["host_scale"]}
+
+
+def _key(metric: str, q: str | None) -> str:
+    return metric.replace("_ms", "") + (f"_{q}" if q else "")
+
+
+def _row(name: str, real: dict[str, float], sim: dict[str, Any], tau: float, drafts: float | None) -> dict[str, Any]:
+    row: dict[str, Any] = {"case": name, "tokens_per_event": tau, "drafts_per_event": drafts}
+    for metric, q in METRICS:
+        r, s = real[_key(metric, q)], _value(sim, metric, q)
+        row[_key(metric, q)] = {"real": r, "sim": s, "error": (s - r) / r if r else math.inf}
+    return row
+
+
+def _cells(result: dict[str, Any]) -> list[tuple[str, str, dict[str, float]]]:
+    return [(row["case"], key, v) for row in result["rows"] for key, v in row.items() if key in ASSERTED]
+
+
+def _line(case: str, key: str, v: dict[str, float]) -> str:
+    return f"{case} {key}: sim {v['sim']:.4g} vs real {v['real']:.4g} ({v['error']:+.0%})"
+
+
+def misses(result: dict[str, Any], tolerance: float = 0.15) -> list[str]:
+    """The cells off by more than `tolerance` (the issue's bar)."""
+    return [_line(*c) for c in _cells(result) if abs(c[2]["error"]) > tolerance]
+
+
+def agreement(*results: dict[str, Any]) -> dict[str, Any]:
+    """Over one or more comparisons: each metric's mean signed error (its bias: a simulator bug moves a
+    metric the same way in every case, noise does not), the mean absolute error, and the cells off by
+    more than 15%."""
+    cells = [c for result in results for c in _cells(result)]
+    errors: dict[str, list[float]] = {}
+    for _, key, v in cells:
+        errors.setdefault(key, []).append(v["error"])
+    return {"bias": {key: statistics.fmean(e) for key, e in errors.items()},
+            "mean_abs_error": statistics.fmean(abs(v["error"]) for *_, v in cells),
+            "off": sum(abs(v["error"]) > 0.15 for *_, v in cells), "cells": len(cells)}
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -187,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     result = compare(quick_profile=not args.full_profile)
     print("cells: sim / real (error)\n" + format_table(result))
+    a = agreement(result)
+    print(f"{a['off']} of {a['cells']} cells off by more than 15%; mean abs. error {a['mean_abs_error']:.1%}; bias: "
+          + ", ".join(f"{k} {b:+.1%}" for k, b in a["bias"].items()))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
