@@ -167,13 +167,16 @@ def compare(cases=CASES, seed: int = 4242, quick_profile: bool = True) -> dict[s
 
 
 def replay(run: dict[str, Any]) -> dict[str, Any]:
-    """A recorded comparison simulated again: its calibrated profile, host scale, and each case's τ
-    and drafts per event, against the real values it recorded. The simulator is deterministic, so a
-    change to it is checked against real runs in a fraction of a second (tests/sim/test_accuracy_replay.py).
-    A run recorded without its cases and seed (before 2026-12-06) ran `CASES` from seed 4242."""
+    """A recorded comparison done again without the stack: its profile calibrated anew (by the code as
+    it is) from the served runs it records, its cases at its host scale, each at the τ and drafts per
+    event its real run got, simulated against the real values it recorded. Calibration and
+    simulation are deterministic, so a change to either is checked against real runs in a fraction
+    of a second (tests/sim/test_accuracy_replay.py). A run recorded without its cases and seed
+    (before 2026-12-06) ran `CASES` from seed 4242."""
+    from services.planner.calibrate import recalibrate
     from shared.sim.cost import Profile
 
-    profile = Profile.from_json(run["profile"])
+    profile = recalibrate(Profile.from_json(run["profile"]))
     cases = [Case(**{k: tuple(v) if isinstance(v, list) else v for k, v in c.items()}) for c in run["cases"]] \
         if "cases" in run else CASES
     rows = []

@@ -352,6 +352,25 @@ def calibrate(profile: Profile, runs: list) -> Profile:
     return plain.with_tokens_per_event(tau, short.extra_rows if short.drafts else None)
 
 
+def recalibrate(profile: Profile) -> Profile:
+    """A calibrated profile calibrated again, by the code as it is now, from the served runs it
+    records (`meta["calibration"]["runs"]`) on the engine's prefill fit it was scaled from: a change
+    to `calibrate` checked against real runs recorded before it (tests/sim/test_accuracy_replay.py).
+    The engine's own decode fit is not kept (calibration replaces it), so the fallback that scales it
+    when the served points admit no fit starts from the calibrated one."""
+    cal = profile.meta["calibration"]
+    *served, lending = cal["runs"]
+
+    def tuples(v):
+        return tuple(tuples(x) for x in v) if isinstance(v, list) else v
+
+    runs = [CalibrationRun(**{k: tuples(v) for k, v in r.items()}) for r in served]
+    s, p = cal["prefill_slowdown"], profile.prefill
+    unscaled = PrefillFit(p.base_s / s, p.per_token_s / s, p.per_attn_pair_s / s, p.per_seq_s / s)
+    engine = replace(profile, prefill=unscaled, meta={k: v for k, v in profile.meta.items() if k != "calibration"})
+    return calibrate(engine, runs + [LendingRun(**{k: tuples(v) for k, v in lending.items()})])
+
+
 def engine_up_args(engine) -> list[str]:
     """`pdserve up` flags giving its workers the engine the profile measured."""
     return ["--dtype", str(engine.dtype), "--quantization", str(engine.quantization or "none")]

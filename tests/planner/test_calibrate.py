@@ -102,3 +102,30 @@ def test_a_slope_across_requests_is_read_from_their_drafts():
     runs[0] = dataclasses.replace(runs[0], per_request=points, drafts=drafts)
     p = calibrate(dataclasses.replace(PROFILE, draft_row_s=0.010), runs)
     assert p.spec_token_s == pytest.approx(0.003)  # the served slope, not the engine's
+
+
+def test_a_recorded_calibration_is_reproduced_from_the_runs_it_records():
+    import json
+    import math
+    from pathlib import Path
+
+    from services.planner.calibrate import recalibrate
+    from shared.sim.cost import Profile
+
+    runs = json.loads((Path(__file__).parents[2] / "benchmarks/results/sim-accuracy-avx2.json").read_text())["runs"]
+    for run in runs[3:]:
+        recorded = Profile.from_json(run["profile"])
+        again = recalibrate(recorded)
+        a, b = recorded.to_json(), again.to_json()
+        for key in a.keys() - {"meta"}:
+            assert json.dumps(a[key]) == json.dumps(b[key]) or all(
+                math.isclose(x, y, rel_tol=1e-9) for x, y in zip(_floats(a[key]), _floats(b[key]), strict=True)), key
+        assert again.meta["calibration"]["unlent"] == tuple(run["profile"]["meta"]["calibration"]["unlent"])
+
+
+def _floats(v):
+    if isinstance(v, dict):
+        return [x for k in sorted(v) for x in _floats(v[k])]
+    if isinstance(v, list | tuple):
+        return [x for item in v for x in _floats(item)]
+    return [v]
