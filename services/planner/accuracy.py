@@ -162,8 +162,10 @@ def compare(cases=CASES, seed: int = 4242, quick_profile: bool = True) -> dict[s
     finally:
         stack.stop()
     # the calibrated profile: what was simulated (its meta["calibration"]: the runs it was read from)
+    # and the engine's own (one thread, unserved): what a model of a step that cannot borrow would start from
     return {"rows": rows, "host_scale": scale, "seed": seed, "cases": [asdict(c) for c in cases],
-            "profile": profile.to_json(), "wall_s": time.perf_counter() - t0}
+            "profile": profile.to_json(), "engine_profile": engine_profile.to_json(),
+            "wall_s": time.perf_counter() - t0}
 
 
 def replay(run: dict[str, Any]) -> dict[str, Any]:
