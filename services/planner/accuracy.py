@@ -1,7 +1,7 @@
 """Simulator vs reality on this machine: the same seeded workloads through a real `pdserve up` +
 `pdserve bench`, and through the simulator on a profile measured and calibrated minutes before.
 
-    python -m services.planner.accuracy --out accuracy.json     (≈ 3 min on 2 AVX-512 cores, 9.5 on an AVX2 Zen 1)
+    python -m services.planner.accuracy --out accuracy.json     (≈ 3 min on 2 AVX-512 cores, 7-9.5 on an AVX2 Zen 1)
 
 Cases (small and bounded, so the whole comparison fits a CI test): chat and long-doc at two Poisson
 rates, the interference mix at two chat concurrencies. Compared per case: TTFT p50/p90, ITL p50/p90
@@ -230,6 +230,12 @@ def agreement(*results: dict[str, Any]) -> dict[str, Any]:
             "off": sum(abs(v["error"]) > 0.15 for *_, v in cells), "cells": len(cells)}
 
 
+def format_agreement(*results: dict[str, Any]) -> str:
+    a = agreement(*results)
+    return (f"{a['off']} of {a['cells']} cells off by more than 15%; mean abs. error {a['mean_abs_error']:.1%}; bias: "
+            + ", ".join(f"{k} {b:+.1%}" for k, b in a["bias"].items()))
+
+
 def format_table(result: dict[str, Any]) -> str:
     keys = [k for k in result["rows"][0] if k not in INPUTS]
     lines = ["| case | tokens/event | drafts/event | " + " | ".join(keys) + " |", "|---" * (len(keys) + 3) + "|"]
@@ -249,9 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     result = compare(quick_profile=not args.full_profile)
     print("cells: sim / real (error)\n" + format_table(result))
-    a = agreement(result)
-    print(f"{a['off']} of {a['cells']} cells off by more than 15%; mean abs. error {a['mean_abs_error']:.1%}; bias: "
-          + ", ".join(f"{k} {b:+.1%}" for k, b in a["bias"].items()))
+    print(format_agreement(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0

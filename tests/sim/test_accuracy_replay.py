@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from services.planner.accuracy import agreement, format_table, replay
+from services.planner.accuracy import agreement, format_agreement, format_table, replay
 
 RECORDED = json.loads((Path(__file__).parents[2] / "benchmarks/results/sim-accuracy-avx2.json").read_text())["runs"]
 CURRENT = RECORDED[3:]  # runs 4-8; runs 1-3 were calibrated by code since fixed (BENCHMARKS.md)
@@ -37,7 +37,7 @@ def test_the_simulator_replayed_on_recorded_real_runs_keeps_its_agreement():
     replays = [replay(run) for run in CURRENT]
     for run, again in zip(CURRENT, replays):
         assert [r["case"] for r in again["rows"]] == [r["case"] for r in run["rows"]]
-    print("\n\n".join(format_table(r) for r in replays))
+    print("\n\n".join(format_table(r) for r in replays) + "\n" + format_agreement(*replays))
     assert _failures(CURRENT) == []
 
 
