@@ -163,7 +163,7 @@ def compare(cases=CASES, seed: int = 4242, quick_profile: bool = True) -> dict[s
         stack.stop()
     # the calibrated profile: what was simulated (its meta["calibration"]: the runs it was read from)
     # and the engine's own (one thread, unserved): what a model of a step that cannot borrow would start from
-    return {"rows": rows, "host_scale": scale, "seed": seed, "cases": [asdict(c) for c in cases],
+    return {"rows": rows, "host_scale": scale, "seed": seed, "cases": [_case_json(c) for c in cases],
             "profile": profile.to_json(), "engine_profile": engine_profile.to_json(),
             "wall_s": time.perf_counter() - t0}
 
@@ -179,8 +179,7 @@ def replay(run: dict[str, Any]) -> dict[str, Any]:
     from shared.sim.cost import Profile
 
     profile = recalibrate(Profile.from_json(run["profile"]))
-    cases = [Case(**{k: tuple(v) if isinstance(v, list) else v for k, v in c.items()}) for c in run["cases"]] \
-        if "cases" in run else CASES
+    cases = [_case_from_json(c) for c in run["cases"]] if "cases" in run else CASES
     rows = []
     for i, (case, old) in enumerate(zip(cases, run["rows"], strict=True)):
         if case.name != old["case"]:
@@ -190,6 +189,16 @@ def replay(run: dict[str, Any]) -> dict[str, Any]:
                          run.get("seed", 4242) + i)
         rows.append(_row(case.name, {k: v["real"] for k, v in old.items() if k not in INPUTS}, sim, tau, drafts))
     return {"rows": rows, "host_scale": run["host_scale"]}
+
+
+def _case_json(case: Case) -> dict[str, Any]:
+    """A case as strict JSON: a closed loop's rate (∞) as null."""
+    return asdict(case) | {"rate": case.rate if math.isfinite(case.rate) else None}
+
+
+def _case_from_json(data: dict[str, Any]) -> Case:
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+    return Case(**fields | {"rate": math.inf if fields["rate"] is None else fields["rate"]})
 
 
 def _key(metric: str, q: str | None) -> str:

@@ -61,11 +61,9 @@ def test_a_replay_refuses_cases_that_are_not_the_recorded_ones():
 
 
 def test_a_run_that_records_its_cases_and_seed_replays_from_them():
-    from dataclasses import asdict
+    from services.planner.accuracy import CASES, _case_json
 
-    from services.planner.accuracy import CASES
-
-    run = json.loads(json.dumps(CURRENT[0] | {"cases": [asdict(c) for c in CASES], "seed": 4242}))
+    run = json.loads(json.dumps(CURRENT[0] | {"cases": [_case_json(c) for c in CASES], "seed": 4242}, allow_nan=False))
     assert replay(run) == replay(CURRENT[0])
     run["seed"] = 1  # other arrivals, other lengths: the recorded real numbers no longer match
     assert replay(run) != replay(CURRENT[0])
