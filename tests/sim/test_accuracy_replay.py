@@ -26,8 +26,8 @@ CURRENT = RECORDED[3:]  # runs 4-8; runs 1-3 were calibrated by code since fixed
 MAX_BIAS, MAX_MEAN_ABS_ERROR = 0.10, 0.15
 
 
-def _failures(runs) -> list[str]:
-    a = agreement(*(replay(run) for run in runs))
+def _failures(replays) -> list[str]:
+    a = agreement(*replays)
     return [f"{key}: mean error {b:+.1%} over {a['cells'] // len(a['bias'])} cases" for key, b in a["bias"].items()
             if abs(b) > MAX_BIAS] + ([f"mean abs. error {a['mean_abs_error']:.1%}"]
                                      if a["mean_abs_error"] > MAX_MEAN_ABS_ERROR else [])
@@ -38,7 +38,7 @@ def test_the_simulator_replayed_on_recorded_real_runs_keeps_its_agreement():
     for run, again in zip(CURRENT, replays):
         assert [r["case"] for r in again["rows"]] == [r["case"] for r in run["rows"]]
     print("\n\n".join(format_table(r) for r in replays) + "\n" + format_agreement(*replays))
-    assert _failures(CURRENT) == []
+    assert _failures(replays) == []
 
 
 def test_a_model_without_its_lending_fails_the_replay(monkeypatch):
@@ -49,7 +49,7 @@ def test_a_model_without_its_lending_fails_the_replay(monkeypatch):
     calibrated = calibrate.calibrate
     monkeypatch.setattr(calibrate, "calibrate", lambda profile, runs: replace(calibrated(profile, runs),
                                                                               unlent=(1.0, 1.0)))
-    failures = _failures(CURRENT)
+    failures = _failures([replay(run) for run in CURRENT])
     assert any(f.startswith("ttft_p50") for f in failures) and any(f.startswith("ttft_p90") for f in failures)
 
 
