@@ -13,9 +13,15 @@ it:
               in for d where the server does not report usage.draft_tokens; where the requests'
               d are too alike to read a slope from, the engine's own cost of a row is spec); then
               the plain step fitted as base + per sequence + per context token, each ≥ 0, on batch 1
-              at 128 and 768 tokens of context and batch `high_batch` (the profiled step's parts
-              scaled by one factor when no such fit exists; on 2 shared cores the per-sequence part
-              comes out small: from 2 sequences a decode step borrows the idle prefill worker's core)
+              at 128 and 768 tokens of context and the batch the `high_batch` streams' steps held
+              (fewer: a stream also waits for its next prompt's prefill and KV; how many, a
+              simulation of that run on the fit says, iterated) (the profiled step's parts scaled by
+              one factor when no such fit exists; on 2 shared cores the per-sequence part comes out
+              small: from 2 sequences a decode step borrows the idle prefill worker's core)
+    handoff   the first decode gap less a step and the kvstore's KV write + read (the profile's
+              transfer fits), of the short and the long prompt: a fixed part (the job's hops) and
+              one per KV block (what the kvstore paths leave out: 1.7-2.0 ms a block on the AMX
+              Xeon, read off its first gaps of 40-55 ms at 128 tokens and 125-160 ms at 768)
     events    tokens per streamed event τ (speculative decoding delivers several a step; 1 without
               it): the simulator's decode fit is per token, step ÷ τ, and it groups τ token gaps into
               one event gap. τ is the workload's, not the machine's: the same requests got 1.8 and
@@ -282,6 +288,27 @@ def _non_negative_fit(rows: np.ndarray, target: np.ndarray) -> np.ndarray | None
     return best
 
 
+def _handoff(profile: Profile, run: CalibrationRun) -> tuple[int, float]:
+    """(KV blocks of the run's prompt, its first decode gap less a step and the kvstore's KV write + read)."""
+    blocks = -(-run.prompt_tokens // profile.limits.block_size)
+    kv = profile.transfer_time("shm", blocks * profile.limits.kv_bytes_per_block)
+    return blocks, max(0.0, run.first_gap_s - run.event_gap_s - sum(kv))
+
+
+def _served_batch(profile: Profile, run: CalibrationRun) -> float:
+    """The sequences a decode step held in the closed-loop run `run`, as its gaps saw them (Σ B² / Σ B
+    over the steps), simulated on `profile`: its streams spend part of their time waiting for their
+    prompts' prefill and KV, so fewer than `run.batch` decode at once."""
+    from shared.sim.cluster import Cluster, ClosedLoop, ClusterConfig
+    from shared.sim.workload import SimRequest
+
+    cluster = Cluster(profile, ClusterConfig())
+    cluster.run([], ClosedLoop(lambda i: SimRequest(0.0, run.prompt_tokens, run.output_tokens), run.batch, math.inf,
+                               max_requests=max(len(run.per_request), run.batch)))
+    rows, squares = cluster.decode_pool[0].decode_rows
+    return squares / rows if rows else float(run.batch)
+
+
 def calibrate(profile: Profile, runs: list) -> Profile:
     """The profile with its fits scaled to what the served runs showed (`measure_stack`'s runs:
     three CalibrationRuns, then a LendingRun)."""
@@ -295,10 +322,11 @@ def calibrate(profile: Profile, runs: list) -> Profile:
         s_p = long.ttft_p50_s / prefill(long)
     request_overhead = max(0.0, short.ttft_p50_s - s_p * prefill(short))
     # the first decode gap is a step, the KV move and the decode job's hops: the simulator has the
-    # first two (the profile's transfer fits), the rest is a fixed handoff
-    kv = profile.transfer_time("shm", -(-short.prompt_tokens // profile.limits.block_size)
-                               * profile.limits.kv_bytes_per_block)
-    handoff = max(0.0, short.first_gap_s - short.event_gap_s - sum(kv))
+    # first two (the profile's transfer fits, of the kvstore paths alone), the rest is the handoff:
+    # fixed, and per block moved (the engines' export and import), read off the short and long prompt
+    (b0, h0), (b1, h1) = (_handoff(profile, r) for r in (short, long))
+    handoff_per_block = max(0.0, (h1 - h0) / (b1 - b0)) if b1 > b0 else 0.0
+    handoff = max(0.0, h0 - handoff_per_block * b0)
     # the closed-loop runs prefill with the decode worker idle, on its cores too; beside streams
     # that decode, a prefill step keeps to its own, and a decode step of 2 sequences to its own
     alone = [s_p * profile.prefill_time(n, n * n / 2, 1) for n, _ in lending.prefills]
@@ -321,34 +349,52 @@ def calibrate(profile: Profile, runs: list) -> Profile:
         plain1 = short.event_gap_s - spec * short.extra_rows
         if plain1 <= 0:
             spec, plain1 = 0.0, short.event_gap_s
-    points = [(short, plain1)] + [(r, r.event_gap_s - spec * r.batch * r.extra_rows) for r in (long, wide)]
-    rows = np.array([[1.0, r.batch, r.batch * (r.prompt_tokens + r.output_tokens // 2)] for r, _ in points])
-    fit = _non_negative_fit(rows, np.array([g for _, g in points]))
-    if fit is None:  # a point at or below zero: the engine's parts, scaled to meet batch 1
-        d = profile.decode
-        fit = np.array([d.base_s, d.per_seq_s, d.per_ctx_token_s]) * (plain1 / d.decode_time(1, int(rows[0, 2])))
-    plain_fit = DecodeFit(*map(float, fit))
+
+    def decode_fit(wide_batch: float) -> DecodeFit:
+        """The plain step's fit, the wide run's steps taken to hold `wide_batch` sequences."""
+        points = [(short, 1, plain1)] + [(r, b, r.event_gap_s - spec * b * r.extra_rows)
+                                         for r, b in ((long, 1), (wide, wide_batch))]
+        rows = np.array([[1.0, b, b * (r.prompt_tokens + r.output_tokens // 2)] for r, b, _ in points])
+        fit = _non_negative_fit(rows, np.array([g for _, _, g in points]))
+        if fit is None:  # a point at or below zero: the engine's parts, scaled to meet batch 1
+            d = profile.decode
+            fit = np.array([d.base_s, d.per_seq_s, d.per_ctx_token_s]) * (plain1 / d.decode_time(1, int(rows[0, 2])))
+        return DecodeFit(*map(float, fit))
+
     tau = short.tokens_per_event
     shapes = [r.gap_quantiles for r in (short, wide) if r.gap_quantiles]
     shape = tuple(sum(col) / len(col) for col in zip(*shapes)) if shapes else (1.0,)
     shape = tuple(max(q, 1e-3) / (sum(shape) / len(shape)) for q in shape)  # mean exactly 1
     p = profile.prefill
     prefill_fit = PrefillFit(s_p * p.base_s, s_p * p.per_token_s, s_p * p.per_attn_pair_s, s_p * p.per_seq_s)
+    plain = replace(profile, prefill=prefill_fit, decode=decode_fit(wide.batch), request_overhead_s=request_overhead,
+                    handoff_s=handoff, handoff_per_block_s=handoff_per_block, tokens_per_event=1.0,
+                    drafts_per_event=0.0 if short.drafts else None, spec_token_s=spec, itl_shape=shape, unlent=unlent)
+    # the wide run's streams also wait for their prompts' prefill and their KV: its steps held fewer
+    # than `wide.batch` sequences. How many, its simulation says (on the fit it gives, so again)
+    wide_batch = float(wide.batch)
+    for _ in range(4):
+        served = _served_batch(plain.with_tokens_per_event(wide.tokens_per_event,
+                                                           wide.extra_rows if wide.drafts else None), wide)
+        if abs(served - wide_batch) < 0.01:
+            break
+        wide_batch = served
+        plain = replace(plain, decode=decode_fit(wide_batch))
+    plain_fit = plain.decode
     meta = dict(profile.meta) | {"calibration": {
         "prefill_slowdown": s_p, "decode_plain_fit": asdict(plain_fit),
         "spec_token_s": spec, "request_overhead_s": request_overhead, "tokens_per_event": tau,
         "drafts_per_event": short.extra_rows if short.drafts else None, "itl_shape": shape,
-        "unlent": unlent, "handoff_s": handoff, "runs": [r.__dict__ for r in runs]}}
+        "unlent": unlent, "handoff_s": handoff, "handoff_per_block_s": handoff_per_block, "wide_batch": wide_batch,
+        "runs": [r.__dict__ for r in runs]}}
     log.info("calibration: prefill ×%.2f, plain decode step %.2f ms + %.2f ms a sequence + %.3f µs a context token, "
              "×%.2f a prefill step and ×%.2f a decode step that cannot borrow, %.1f ms more a sequence's step a "
-             "draft, request overhead %.1f ms, handoff %.1f ms, %.2f tokens per event, event gaps p10/p50/p90 at "
-             "×%.2f/%.2f/%.2f of the mean",
+             "draft (the wide run's steps held %.2f), request overhead %.1f ms, handoff %.1f ms + %.2f ms a KV block, "
+             "%.2f tokens per event, event gaps p10/p50/p90 at ×%.2f/%.2f/%.2f of the mean",
              s_p, 1e3 * plain_fit.base_s, 1e3 * plain_fit.per_seq_s, 1e6 * plain_fit.per_ctx_token_s, *unlent,
-             1e3 * spec, 1e3 * request_overhead, 1e3 * handoff, tau, shape[len(shape) // 10], shape[len(shape) // 2],
-             shape[len(shape) * 9 // 10])
-    plain = replace(profile, prefill=prefill_fit, decode=plain_fit, request_overhead_s=request_overhead, handoff_s=handoff,
-                    tokens_per_event=1.0, drafts_per_event=0.0 if short.drafts else None, spec_token_s=spec,
-                    itl_shape=shape, unlent=unlent, meta=meta)
+             1e3 * spec, wide_batch, 1e3 * request_overhead, 1e3 * handoff, 1e3 * handoff_per_block, tau,
+             shape[len(shape) // 10], shape[len(shape) // 2], shape[len(shape) * 9 // 10])
+    plain = replace(plain, meta=meta)
     return plain.with_tokens_per_event(tau, short.extra_rows if short.drafts else None)
 
 

@@ -21,7 +21,10 @@ follows the load is charged for the workers it had, when it had them.
 
 Pools on one host's cores (a CPU profile, `Profile.unlent`) lend them while idle, as `pdserve up`'s
 engines do: a prefill step is slower while a decode worker holds sequences, a decode step of two or
-more while a prefill step runs; a decode span in flight is cut where the cores change hands.
+more while a prefill step runs; a decode span in flight is cut where the cores change hands. A real
+worker takes its threads as a step begins and keeps them to its end, so a prefill step begun on
+borrowed cores runs at the unlent pace while a decode worker holds sequences (its second thread, at
+nice 10, shares a core with the decode worker's), and at the lent pace again once none does.
 
 Events sit in one heap as (time, sequence number, type, payload); a worker's step carries the
 worker's version, and an event whose version is stale (its span was cut short) is dropped.
@@ -81,12 +84,15 @@ class ClusterConfig:
 
 @dataclass
 class ClosedLoop:
-    """`concurrency` clients sending back to back until `window_s` (bench's interference chat streams)."""
+    """`concurrency` clients sending back to back until `window_s` (bench's interference chat streams),
+    or until `max_requests` are sent (bench's closed loop of a number of requests)."""
 
     make: Any  # index -> SimRequest (arrival ignored)
     concurrency: int
     window_s: float
+    max_requests: int | None = None
     next_index: Iterator[int] = field(default_factory=itertools.count)
+    sent: int = 0
 
 
 class Scaler(Protocol):
@@ -159,6 +165,8 @@ class Cluster:
         # pools on one host's cores, lending them while idle (Profile.unlent); None: nothing shared
         self.unlent = profile.unlent if config.mode != "colocated" and profile.unlent != (1.0, 1.0) else None
         self.prefilling = False  # a prefill step in flight (decode cannot borrow its cores)
+        self.decoding = False  # a decode worker holds sequences (a prefill step begun now cannot borrow)
+        self.lent_steps: dict[SimEngine, None] = {}  # prefill workers whose step began on borrowed cores
         self.cache = PrefixCache(self._cache_capacity()) if config.prefix_caching else None
         self.kind_names = list(kinds)
         self.kind_ids = {k: i for i, k in enumerate(self.kind_names)}
@@ -252,8 +260,9 @@ class Cluster:
 
     def _closed_next(self, t: float) -> None:
         c = self.closed
-        if t >= c.window_s:
+        if t >= c.window_s or c.max_requests is not None and c.sent >= c.max_requests:
             return
+        c.sent += 1
         req = c.make(next(c.next_index))
         req.arrival_s = t
         rid = self._arrive(req, t)
@@ -368,17 +377,34 @@ class Cluster:
         end = w.plan(t, unlent)
         if end is not None:
             self._push(end, STEP, w, w.version)
+        if w.role == "prefill" and self.unlent is not None:
+            if end is not None and unlent == 1.0:
+                self.lent_steps[w] = None
+            else:
+                self.lent_steps.pop(w, None)
 
     def _lend(self, t: float) -> None:
         """A prefill step began with none in flight, or the last one ended: decode spans end at their
-        next step, and go on at the speed of their cores now."""
+        next step, and go on at the speed of their cores now. A decode worker took sequences with
+        none held, or gave its last one back: prefill steps begun on borrowed cores go on at the
+        speed of those cores now (shared with the decode worker's thread, or free again)."""
         prefilling = any(p.busy for p in self.prefill_pool)
-        if prefilling == self.prefilling:
-            return
-        self.prefilling = prefilling
-        for d in self.decode_pool:
-            if d.span is not None and d.span.batch >= 2:
-                self._cut(d, t)
+        if prefilling != self.prefilling:
+            self.prefilling = prefilling
+            for d in self.decode_pool:
+                if d.span is not None and d.span.batch >= 2:
+                    self._cut(d, t)
+        decoding = any(d.busy or d.num_requests for d in self.decode_pool)
+        if decoding != self.decoding:
+            self.decoding = decoding
+            slow = self.unlent[0] if decoding else 1.0
+            for p in list(self.lent_steps):
+                if not p.busy:
+                    del self.lent_steps[p]
+                    continue
+                end = p.retime(t, slow)
+                if end is not None:
+                    self._push(end, STEP, p, p.version)
 
     def _cut(self, w: SimEngine, t: float) -> None:
         """Something changed for `w`'s span in flight (a sequence joins, its cores are lent or
@@ -428,7 +454,7 @@ class Cluster:
         ks["transfers"] += 1
         ks["bytes"] += self._kv_bytes(req.prompt_tokens)
         ks["write_s"] += write
-        self._push(t + write + self.profile.handoff_s, KV_STORED, w, seq.rid)
+        self._push(t + write + self.profile.handoff_time(nbytes // self.block_bytes), KV_STORED, w, seq.rid)
 
     def _on_kv_stored(self, w: SimEngine, rid: int, t: float) -> None:
         w.held -= 1

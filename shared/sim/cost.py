@@ -93,9 +93,12 @@ class Profile:
     limits: EngineLimits = EngineLimits()
     # fixed per-request time outside the engine (gateway, queues, publish hops), split by phase
     request_overhead_s: float = 0.0
-    # fixed time from a prefill's first token to its decode job's KV read beginning, beyond the KV
-    # write: the job's hops and pickup (a calibration measures it in the first decode gap)
+    # time from a prefill's first token to its decode job's KV read beginning, beyond the KV write:
+    # the job's hops and pickup, and per block of KV moved, what the kvstore paths above leave out
+    # (the engines' export from and import into their paged caches). A calibration measures both in
+    # the first decode gap, of a short prompt and of a long one
     handoff_s: float = 0.0
+    handoff_per_block_s: float = 0.0
     # tokens a stream receives per event (speculative decoding: a step verifies several and keeps
     # the accepted ones); the decode fit is then per token, and an event's gap spans this many
     tokens_per_event: float = 1.0
@@ -122,15 +125,17 @@ class Profile:
     # and the fits above are of the lent case, as a calibration sees it: (prefill, decode) is what a
     # step takes instead, ×, when it cannot borrow — a prefill step while a decode worker holds
     # sequences, a decode step of ≥ 2 sequences (a batch of 1 never borrows) while a prefill step
-    # runs. (1, 1): pools that share nothing (a GPU each)
+    # runs; a prefill step that began on borrowed cores goes on at the prefill factor while a decode
+    # worker holds sequences (its second thread shares a core with the decode worker's, and yields
+    # to it). (1, 1): pools that share nothing (a GPU each)
     unlent: tuple[float, float] = (1.0, 1.0)
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.transfer:
             raise ValueError("profile: no KV transfer path")
-        if self.request_overhead_s < 0 or self.handoff_s < 0:
-            raise ValueError("profile: request_overhead_s and handoff_s must be >= 0")
+        if self.request_overhead_s < 0 or self.handoff_s < 0 or self.handoff_per_block_s < 0:
+            raise ValueError("profile: request_overhead_s, handoff_s and handoff_per_block_s must be >= 0")
         if not self.tokens_per_event >= 1:
             raise ValueError(f"profile: tokens_per_event must be >= 1, got {self.tokens_per_event}")
         if not self.itl_shape or min(self.itl_shape) <= 0:
@@ -178,6 +183,9 @@ class Profile:
             return self.prefill_time(prefill_tokens, attn_pairs, prefill_seqs)
         return self.decode_time(batch, ctx_tokens)
 
+    def handoff_time(self, blocks: int) -> float:
+        return self.handoff_s + self.handoff_per_block_s * blocks
+
     def transfer_time(self, path: str, nbytes: int) -> tuple[float, float]:
         """(write, read) seconds for one request's KV of `nbytes` over `path`."""
         fit = self.transfer.get(path) or next(iter(self.transfer.values()))
@@ -189,6 +197,7 @@ class Profile:
         """A new dict (copies: editing it leaves this profile as it was)."""
         return {"version": PROFILE_VERSION, "meta": dict(self.meta), "limits": asdict(self.limits),
                 "request_overhead_s": self.request_overhead_s, "handoff_s": self.handoff_s,
+                "handoff_per_block_s": self.handoff_per_block_s,
                 "tokens_per_event": self.tokens_per_event,
                 "itl_shape": list(self.itl_shape), "spec_token_s": self.spec_token_s, "unlent": list(self.unlent),
                 "drafts_per_event": self.drafts_per_event, "draft_row_s": self.draft_row_s,
@@ -207,6 +216,7 @@ class Profile:
                        transfer=transfer, limits=EngineLimits(**data.get("limits", {})),
                        request_overhead_s=float(data.get("request_overhead_s", 0.0)),
                        handoff_s=float(data.get("handoff_s", 0.0)),
+                       handoff_per_block_s=float(data.get("handoff_per_block_s", 0.0)),
                        tokens_per_event=float(data.get("tokens_per_event", 1.0)),
                        itl_shape=tuple(float(q) for q in data.get("itl_shape", (1.0,))),
                        spec_token_s=float(data.get("spec_token_s", 0.0)),

@@ -66,7 +66,9 @@ class SimEngine:
         self.span: Span | None = None
         self.step_plan: list[tuple[SimSeq, int]] = []
         self.step_start = self.step_end = 0.0
+        self.step_slow = 1.0  # the plain step in flight runs at × this (its cores: Profile.unlent)
         self.busy_s = 0.0  # time spent in steps (cost accounting)
+        self.decode_rows = [0, 0]  # over its steps, Σ B and Σ B² of the sequences each decoded (B)
         self.preemptions = 0
         self.max_used_blocks = 0
         self.held = 0  # jobs held outside the engine: a prefill's KV being written, a decode job's being read
@@ -145,6 +147,7 @@ class SimEngine:
             if not self.step_plan:
                 return None  # nothing fits (waiting on blocks that only a finish frees)
             slow = unlent if self.role != "decode" or len(self.step_plan) >= 2 else 1.0
+            self.step_slow = slow
             self.step_end = now + slow * self._step_time(self.step_plan)
         self.busy = True
         self.version += 1
@@ -251,6 +254,16 @@ class SimEngine:
             return
         self._grow_all(min(self.steps_done_by(now) + 1, span.steps))
 
+    def retime(self, now: float, slow: float) -> float | None:
+        """The plain step in flight goes on at × `slow` from `now` (its cores shared otherwise than
+        when it began). Returns its new end, or None when nothing changes."""
+        if not self.busy or self.span is not None or slow == self.step_slow:
+            return None
+        self.step_end = now + (self.step_end - now) / self.step_slow * slow
+        self.step_slow = slow
+        self.version += 1
+        return self.step_end
+
     def cut_span(self, now: float) -> float | None:
         """Someone joined: end the span at the next step boundary. Returns the new end (or None)."""
         span = self.span
@@ -340,18 +353,25 @@ class SimEngine:
         self.busy_s += now - self.step_start
         span, done = self.span, []
         if span is not None:
+            self.decode_rows[0] += span.steps * span.batch
+            self.decode_rows[1] += span.steps * span.batch * span.batch
             done = rec.decode_span(self, span, now)
             self.span = None
         else:
+            b = 0  # the sequences this step decoded (a token each, as _step_time counts them)
             for seq, n in self.step_plan:
+                if n == 1 and seq.num_tokens - seq.computed == 1:
+                    b += 1
                 seq.computed += n
                 if seq.computed == seq.num_tokens:  # the step completed its tokens: one is sampled
                     seq.num_tokens += 1
                     seq.remaining -= 1
-                    rec.token(seq, now)
+                    rec.token(seq, now, self.step_start)
                     if seq.remaining == 0:
                         done.append(seq)
             self.step_plan = []
+            self.decode_rows[0] += b
+            self.decode_rows[1] += b * b
         if done:
             for seq in done:
                 self._free(seq)

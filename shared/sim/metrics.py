@@ -9,7 +9,9 @@ thousand workers' traffic in a few megabytes.
     TPOT   (E2EL − TTFT) / (output tokens − 1)
     ITL    gap between consecutive events of one request (its first decode gap includes the KV move);
            with speculative decoding an event carries the profile's `tokens_per_event` tokens on
-           average, so each token gap g enters the histogram as an event gap g·τ of weight 1/τ
+           average, so each token gap g of a sequence stepping on enters the histogram as an event
+           gap g·τ of weight 1/τ; a gap in which it waited w before a step s (its first decode gap:
+           the KV move) is one event, w + s·τ
     E2EL   last token − arrival (+ the same overhead)
 """
 
@@ -123,13 +125,17 @@ class Recorder:
         self.tokens.append(0)
         return len(self.arrival) - 1
 
-    def token(self, seq, t: float) -> None:
+    def token(self, seq, t: float, step_start: float) -> None:
+        """`seq` got a token at `t` from a step begun at `step_start`."""
         rid = seq.rid
         last = self.last_s[rid]
         if last < 0:
             self.first_s[rid] = t
         elif t >= self.itl_from_s:
-            self.hists[seq.kind].add((t - last) * self.tau, 1.0 / self.tau)
+            if last < step_start:  # it waited for this step (its KV moved, a batch to join): one event
+                self.hists[seq.kind].add(step_start - last + (t - step_start) * self.tau)
+            else:
+                self.hists[seq.kind].add((t - last) * self.tau, 1.0 / self.tau)
         self.last_s[rid] = t
         self.tokens[rid] += 1
 
@@ -152,8 +158,8 @@ class Recorder:
                 self.first_s[rid] = first_end  # its first token (no gap before it)
             elif last == start:
                 cont_kind[kind] += 1
-            elif counting_first:
-                hists[kind].add((first_end - last) * tau, 1.0 / tau)
+            elif counting_first:  # it waited for the span (joined it): one event, the wait and a step
+                hists[kind].add(start - last + first * tau)
             last_s[rid] = end
             tokens[rid] += k
             seq.num_tokens += k

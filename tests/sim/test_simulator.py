@@ -377,6 +377,30 @@ def test_pools_on_one_hosts_cores_lend_them_while_idle():
     assert run(shared, reqs, mode="colocated").finish_s == run(PROFILE, reqs, mode="colocated").finish_s
 
 
+def test_a_prefill_step_begun_on_borrowed_cores_slows_while_a_decode_worker_holds_sequences():
+    """A real worker takes its threads as a step begins: a prefill step begun while nothing decodes
+    borrows the decode worker's core, and shares it once a decode job arrives (×2 here from then),
+    until the decode worker holds nothing again."""
+    shared = replace(PROFILE, unlent=(2.0, 1.0))
+    prompt = SimRequest(0.0, 480, 2)
+
+    def run(reqs):
+        cluster = Cluster(shared, ClusterConfig(prefill=2))  # the stream's prompt beside it, on the other
+        cluster.run([replace(r) for r in reqs], check_every=1)
+        cluster.check_invariants(final=True)
+        return cluster.rec
+
+    alone = run([prompt]).first_s[0]
+    long_stream, short_stream = run([prompt, SimRequest(0.0, 16, 2000)]), run([prompt, SimRequest(0.0, 16, 3)])
+    assert long_stream.first_s[1] < alone  # the stream decodes while the prompt is prefilled
+    # from the stream's arrival at the decode worker (t) to its end, the prompt's step goes at half speed
+    t = 2 * alone - long_stream.first_s[0]
+    assert long_stream.first_s[1] < t < long_stream.first_s[1] + 0.05
+    assert short_stream.finish_s[1] < alone
+    # … and while it decodes, the step does half the work it would have: it ends that much later
+    assert short_stream.first_s[0] == pytest.approx(alone + (short_stream.finish_s[1] - t) / 2)
+
+
 def test_the_kv_handoff_delays_the_first_decode_step():
     req = [SimRequest(0.0, 100, 5)]
     base = Cluster(PROFILE, ClusterConfig())
