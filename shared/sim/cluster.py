@@ -229,8 +229,11 @@ class Cluster:
                 if b == a.version and a.busy:
                     self._on_step(a, t)
             elif typ == ARRIVE:
-                self._arrive(a, t)
-                self._next_arrival(b)
+                rid = self._arrive(a, t)
+                if b is None:  # a closed loop's next request
+                    self.closed_ids.add(rid)
+                else:
+                    self._next_arrival(b)
             elif typ == KV_STORED:
                 self._on_kv_stored(a, b, t)
             elif typ == JOIN:
@@ -259,14 +262,15 @@ class Cluster:
             self._push(req.arrival_s, ARRIVE, req, it)
 
     def _closed_next(self, t: float) -> None:
+        """A closed-loop client's next request, sent when it has seen the last one end: it comes to
+        the engines the profile's per-request overhead later (the way out and back in)."""
         c = self.closed
         if t >= c.window_s or c.max_requests is not None and c.sent >= c.max_requests:
             return
         c.sent += 1
         req = c.make(next(c.next_index))
         req.arrival_s = t
-        rid = self._arrive(req, t)
-        self.closed_ids.add(rid)
+        self._push(t, ARRIVE, req, None)
 
     # -------------------------------------------------------------------------------- routing
 
@@ -537,7 +541,7 @@ class Cluster:
         load["finished"] += 1
         load["output_tokens"] += req.output_tokens
         if self.closed is not None and rid in self.closed_ids:
-            self._closed_next(t)
+            self._closed_next(t + self.profile.request_overhead_s)
 
     # ---------------------------------------------------------------------------- invariants
 
