@@ -53,9 +53,19 @@ class KVCache:
         return torch.empty((n, *self.data.shape[1:]), dtype=self.data.dtype, device=self.data.device)
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Copy blocks out: [n, L, 2, bs, Hkv, Dh] (contiguous)."""
-        return self.data[block_ids].clone()
+        """Copy blocks out: [n, L, 2, bs, Hkv, Dh] (contiguous). One index_select: indexing with the
+        list and cloning the result copied every byte twice, through a slow gather (48 blocks, 17.7
+        MB: 11-18 ms on one core, against 1.8 ms)."""
+        return torch.index_select(self.data, 0, torch.tensor(block_ids, dtype=torch.long, device=self.data.device))
 
     def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
-        """Copy whole blocks in (the import half of a KV transfer)."""
-        self.data[block_ids] = blocks.to(self.data.dtype)
+        """Copy whole blocks in (the import half of a KV transfer): on the CPU one memcpy a block
+        (48 blocks: 1.7 ms on one core, against 4-8 ms for an indexed assignment), elsewhere one
+        index_copy_."""
+        blocks = blocks.to(self.data.dtype)
+        if self.data.device.type == "cpu":
+            for i, block in enumerate(block_ids):
+                self.data[block].copy_(blocks[i])
+        else:
+            self.data.index_copy_(0, torch.tensor(block_ids, dtype=torch.long, device=self.data.device),
+                                  blocks.to(self.data.device))
