@@ -20,8 +20,9 @@ it:
               small: from 2 sequences a decode step borrows the idle prefill worker's core)
     handoff   the first decode gap less a step and the kvstore's KV write + read (the profile's
               transfer fits), of the short and the long prompt: a fixed part (the job's hops) and
-              one per KV block (what the kvstore paths leave out: 1.7-2.0 ms a block on the AMX
-              Xeon, read off its first gaps of 40-55 ms at 128 tokens and 125-160 ms at 768)
+              one per KV block (what the kvstore paths leave out: on a fresh stack, the first
+              touch of the decode worker's cache pages; 1.7-2.0 ms a block on the AMX Xeon, read
+              off its first gaps of 40-55 ms at 128 tokens and 125-160 ms at 768)
     events    tokens per streamed event τ (speculative decoding delivers several a step; 1 without
               it): the simulator's decode fit is per token, step ÷ τ, and it groups τ token gaps into
               one event gap. τ is the workload's, not the machine's: the same requests got 1.8 and
