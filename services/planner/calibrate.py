@@ -324,7 +324,8 @@ def calibrate(profile: Profile, runs: list) -> Profile:
     request_overhead = max(0.0, short.ttft_p50_s - s_p * prefill(short))
     # the first decode gap is a step, the KV move and the decode job's hops: the simulator has the
     # first two (the profile's transfer fits, of the kvstore paths alone), the rest is the handoff:
-    # fixed, and per block moved (the engines' export and import), read off the short and long prompt
+    # fixed, and per block moved (on a fresh stack mostly the first touch of the decode worker's
+    # cache pages), read off the short and the long prompt
     (b0, h0), (b1, h1) = (_handoff(profile, r) for r in (short, long))
     handoff_per_block = max(0.0, (h1 - h0) / (b1 - b0)) if b1 > b0 else 0.0
     handoff = max(0.0, h0 - handoff_per_block * b0)
