@@ -375,7 +375,7 @@ class Cluster:
         unlent = 1.0
         if self.unlent is not None:  # can it borrow the other pool's cores for this step?
             if w.role == "prefill":
-                unlent = self.unlent[0] if any(d.busy or d.num_requests for d in self.decode_pool) else 1.0
+                unlent = self.unlent[0] if self._decode_holds() else 1.0
             elif any(p.busy for p in self.prefill_pool):
                 unlent = self.unlent[1]
         end = w.plan(t, unlent)
@@ -386,6 +386,10 @@ class Cluster:
                 self.lent_steps[w] = None
             else:
                 self.lent_steps.pop(w, None)
+
+    def _decode_holds(self) -> bool:
+        """A decode worker holds sequences (so its core is not lent: shared/engine/cores.py)."""
+        return any(d.busy or d.num_requests for d in self.decode_pool)
 
     def _lend(self, t: float) -> None:
         """A prefill step began with none in flight, or the last one ended: decode spans end at their
@@ -398,7 +402,7 @@ class Cluster:
             for d in self.decode_pool:
                 if d.span is not None and d.span.batch >= 2:
                     self._cut(d, t)
-        decoding = any(d.busy or d.num_requests for d in self.decode_pool)
+        decoding = self._decode_holds()
         if decoding != self.decoding:
             self.decoding = decoding
             slow = self.unlent[0] if decoding else 1.0
