@@ -31,7 +31,7 @@ from shared.protocol.messages import ErrorCode, KVBlockRef
 log = logging.getLogger(__name__)
 
 KEY_BYTES = 16  # block keys are 128-bit digests (DESIGN.md)
-_CRC_LIMIT = 1 << 32
+_CHECKSUM_LIMIT = 1 << 64  # XXH3-64 (shared/transport/kv_client.checksum)
 
 
 class PoolError(Exception):
@@ -56,7 +56,7 @@ class SlotPool:
         self.pool = BlockPool(num_slots)
         self._hints = self.pool.add_event_queue()  # the Valkey routing hints (heartbeat.py)
         self.num_slots = num_slots
-        self.checksums = [0] * num_slots  # crc32 recorded at commit
+        self.checksums = [0] * num_slots  # XXH3-64 recorded at commit
         self.leases: dict[str, Lease] = {}
         self.max_lease_ttl_s = max_lease_ttl_s
         self.clock = clock
@@ -151,8 +151,8 @@ class SlotPool:
             if len(key) not in (0, KEY_BYTES):
                 raise PoolError(ErrorCode.BAD_REQUEST, f"block keys are {KEY_BYTES} bytes (b'' for a partial "
                                                        f"block), got {len(key)}")
-            if not 0 <= checksum < _CRC_LIMIT:
-                raise PoolError(ErrorCode.BAD_REQUEST, f"checksum {checksum} is not a crc32")
+            if not 0 <= checksum < _CHECKSUM_LIMIT:
+                raise PoolError(ErrorCode.BAD_REQUEST, f"checksum {checksum} is not a 64-bit unsigned int")
             indexed_key = self.pool.block_key[slot]
             if indexed_key is not None and (indexed_key != key or self.checksums[slot] != checksum):
                 raise PoolError(ErrorCode.BAD_REQUEST, f"slot {slot} is already committed under another "

@@ -107,7 +107,7 @@ class PrefillJob(Msg, kw_only=True):
 
 class KVBlockRef(msgspec.Struct, array_like=True):
     slot: int  # index in the kvstore's pool
-    checksum: int  # crc32 of the block's bytes, checked by the reader
+    checksum: int  # XXH3-64 of the block's bytes, checked by the reader
 
 
 class DecodeJob(Msg, kw_only=True):
