@@ -19,6 +19,7 @@ queue, nothing is kept.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.kvcache.block_hash import BlockKey
@@ -37,11 +38,17 @@ class BlockEvicted:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True,
+                 on_grow: Callable[[int], None] | None = None):
+        """`on_grow(high_water)` is called when an allocation hands out a block never handed out
+        before: blocks [0, high_water) have all been used. (Their memory is first touched in that
+        order: `shared.kvcache.pages.WarmAhead` faults it in ahead.)"""
         if num_blocks <= 0:
             raise ValueError(f"block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.high_water = 0
+        self._on_grow = on_grow
         self.ref_counts = [0] * num_blocks
         self.block_key: list[BlockKey | None] = [None] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, … first
@@ -93,6 +100,11 @@ class BlockPool:
                 self._evict(block)
             self.ref_counts[block] = 1
             blocks.append(block)
+        top = max(blocks, default=-1) + 1
+        if top > self.high_water:
+            self.high_water = top
+            if self._on_grow is not None:
+                self._on_grow(top)
         return blocks
 
     def acquire(self, blocks: list[int]) -> None:

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import math
 import mmap
+import weakref
 
 import torch
 
 from shared.kvcache import BLOCK_SIZE
+from shared.kvcache.pages import WarmAhead
 from shared.model.config import ModelConfig
 
 
@@ -31,13 +33,25 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = BLOCK_SIZE,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", warm_ahead: int = 0):
+        """`warm_ahead`: on the CPU, keep that many blocks past the highest one used faulted in, from
+        a background thread (`warm`), so that writing a block never waits for its pages."""
         if num_blocks <= 0:
             raise ValueError(f"KV cache needs at least one block, got {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.data = zeros((num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim), dtype, device)
         # per-layer (k_cache, v_cache) views, each [num_blocks, block_size, Hkv, Dh]
         self.layers = [(self.data[:, layer, 0], self.data[:, layer, 1]) for layer in range(cfg.num_layers)]
+        self._warm = None
+        if warm_ahead > 0 and self.data.device.type == "cpu":
+            self._warm = WarmAhead(self.data.data_ptr(), self.block_bytes, num_blocks, warm_ahead, "kv-cache-warm")
+            weakref.finalize(self, self._warm.close)
+
+    def warm(self, high_water: int) -> None:
+        """Blocks [0, high_water) have been handed out (`BlockPool(on_grow=…)`): fault in the next
+        `warm_ahead` ones."""
+        if self._warm is not None:
+            self._warm.need(high_water)
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int = BLOCK_SIZE, dtype: torch.dtype = torch.float32) -> int:

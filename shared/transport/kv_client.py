@@ -34,6 +34,7 @@ import torch
 import xxhash
 from nats.aio.client import Client as NATS
 
+from shared.kvcache.pages import WarmAhead
 from shared.protocol import subjects
 from shared.protocol.messages import (
     ErrorCode, KVAllocate, KVAllocateReply, KVBlockRef, KVCommit, KVLookup, KVLookupReply, KVRead, KVReadChunk,
@@ -46,6 +47,7 @@ CHUNK_HEADROOM = 64 * 1024  # bytes kept free under max_payload for the message 
 WRITE_WINDOW = 8  # network write chunks in flight at once
 READ_BATCH_BYTES = 32 * 2**20  # one KVRead streams at most this much (bounds buffering on both ends)
 OFFLOAD_BYTES = 4 * 2**20  # shm copies + checksums at least this big run on a worker thread
+WARM_AHEAD_BYTES = 32 * 2**20  # the segment mapped ahead of the highest slot seen (shared/kvcache/pages.py)
 
 
 class KVStoreError(RuntimeError):
@@ -71,6 +73,7 @@ class KVStoreClient:
         self.info: KVStoreInfo | None = None
         self._segment: _Segment | None = None
         self._pool: np.ndarray | None = None  # [num_slots, block_bytes] uint8 over the mapped segment
+        self._warm: WarmAhead | None = None  # … whose page-table entries are made ahead of use
         self._attaching = asyncio.Lock()  # one re-attach at a time (several requests notice a restart at once)
 
     @property
@@ -96,6 +99,10 @@ class KVStoreClient:
             else:
                 self._pool = np.frombuffer(self._segment.buf, dtype=np.uint8).reshape(info.num_slots,
                                                                                       info.block_bytes)
+                # The store hands out slots 0, 1, 2, … first. Each page of the segment written or read
+                # here for the first time faulted on the request path (48 blocks: 5 ms of 7.5).
+                self._warm = WarmAhead(self._pool.ctypes.data, info.block_bytes, info.num_slots,
+                                       max(1, WARM_AHEAD_BYTES // info.block_bytes), f"kv-segment-warm-{self.store}")
         self.info = info
         return info
 
@@ -112,6 +119,7 @@ class KVStoreClient:
         reply = await self._request("allocate", KVAllocate(num_blocks=n, lease_ttl_s=lease_ttl_s, lease_id=lease_id),
                                     KVAllocateReply)
         await self.ensure_segment(reply.segment)
+        self._warm_past(reply.slots)
         return reply
 
     async def ensure_segment(self, segment: str) -> None:
@@ -146,6 +154,9 @@ class KVStoreClient:
 
     def _close_segment(self) -> None:
         self._pool = None
+        if self._warm is not None:
+            self._warm.close()
+            self._warm = None
         if self._segment is not None:
             segment, self._segment = self._segment, None
             segment.close()
@@ -178,6 +189,7 @@ class KVStoreClient:
         self._check_slots(slots)
         if len(set(slots)) != len(slots):
             raise ValueError("read_blocks: a slot is listed twice")
+        self._warm_past(slots)
         stage = out if out.device.type == "cpu" else torch.empty(out.shape, dtype=out.dtype,
                                                                   pin_memory=torch.cuda.is_available())
         rows = _as_rows(stage, len(blocks), info.block_bytes)
@@ -293,6 +305,10 @@ class KVStoreClient:
         if self.info is None:
             raise RuntimeError(f"KVStoreClient({self.store!r}): call attach() first")
         return self.info
+
+    def _warm_past(self, slots: list[int]) -> None:
+        if self._warm is not None and slots:
+            self._warm.need(max(slots) + 1)
 
     def _check_slots(self, slots: list[int]) -> None:
         num_slots = self.info.num_slots
