@@ -233,13 +233,24 @@ class Profile:
         return cls.from_json(json.loads(Path(path).read_text()))
 
 
+# The reference CPU profile (an AVX-512 VNNI Zen 4): the host the accuracy cases were sized on
+# (services/planner/calibrate.py). Profiles of other kinds of CPU lie beside it, named by the ISA
+# of the kernels they ran (`cpu_isa()`): cpu-smollm2-135m-amx.json.
 DEFAULT_PROFILE = Path(__file__).with_name("profiles") / "cpu-smollm2-135m.json"
+
+
+def shipped_profile() -> Path:
+    """The shipped profile measured on this kind of CPU, else the reference one."""
+    from shared.kernels.cpu_ext import cpu_isa
+
+    own = DEFAULT_PROFILE.with_name(f"{DEFAULT_PROFILE.stem}-{cpu_isa()}.json")
+    return own if own.exists() else DEFAULT_PROFILE
 
 
 def load_profile(path: str | Path | None) -> Profile:
     """The given profile file, or the one shipped for this machine kind (measured by `pdserve
     profile`); a CPU profile measured on another kind of CPU than this one is said so, once."""
-    p = Path(path) if path else DEFAULT_PROFILE
+    p = Path(path) if path else shipped_profile()
     if not p.exists():
         raise FileNotFoundError(f"profile {p} not found (write one with `pdserve profile --out {p}`)")
     profile = Profile.load(p)

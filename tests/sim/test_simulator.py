@@ -251,6 +251,20 @@ def test_a_cpu_profile_from_another_kind_of_cpu_is_said_so(tmp_path, caplog):
             assert f"runs {here} kernels" in said[0] and "pdserve profile" in said[0]
 
 
+def test_the_shipped_profile_is_the_one_measured_on_this_kind_of_cpu(monkeypatch):
+    import shared.kernels.cpu_ext as cpu_ext
+    from shared.sim.cost import DEFAULT_PROFILE, shipped_profile
+
+    cpu_profiles = sorted(DEFAULT_PROFILE.parent.glob(f"{DEFAULT_PROFILE.stem}*.json"))
+    assert len(cpu_profiles) >= 2
+    for path in cpu_profiles:  # each file is named by the ISA it was measured with
+        isa = json.loads(path.read_text())["meta"]["isa"]
+        monkeypatch.setattr(cpu_ext, "cpu_isa", lambda isa=isa: isa)
+        assert shipped_profile() == path and load_profile(None).meta["isa"] == isa
+    monkeypatch.setattr(cpu_ext, "cpu_isa", lambda: "torch")  # none of its own: the reference
+    assert shipped_profile() == DEFAULT_PROFILE
+
+
 def test_bench_lengths_are_the_bench_workloads():
     from services.bench.workloads import Workload
 
