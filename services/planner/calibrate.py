@@ -20,9 +20,10 @@ it:
               small: from 2 sequences a decode step borrows the idle prefill worker's core)
     handoff   the first decode gap less a step and the kvstore's KV write + read (the profile's
               transfer fits), of the short and the long prompt: a fixed part (the job's hops) and
-              one per KV block (what the kvstore paths leave out: on a fresh stack, the first
-              touch of the decode worker's cache pages; 1.7-2.0 ms a block on the AMX Xeon, read
-              off its first gaps of 40-55 ms at 128 tokens and 125-160 ms at 768)
+              one per KV block (what the kvstore paths leave out). Until the KV memory was faulted
+              in ahead of use (shared/kvcache/pages.py), that was the first touch of a fresh
+              stack's pages: 1.7-2.0 ms a block on an AMX Xeon, from first gaps of 40-55 ms at 128
+              tokens and 125-160 ms at 768; since, 0 there (14 ms fixed)
     events    tokens per streamed event τ (speculative decoding delivers several a step; 1 without
               it): the simulator's decode fit is per token, step ÷ τ, and it groups τ token gaps into
               one event gap. τ is the workload's, not the machine's: the same requests got 1.8 and
@@ -324,8 +325,7 @@ def calibrate(profile: Profile, runs: list) -> Profile:
     request_overhead = max(0.0, short.ttft_p50_s - s_p * prefill(short))
     # the first decode gap is a step, the KV move and the decode job's hops: the simulator has the
     # first two (the profile's transfer fits, of the kvstore paths alone), the rest is the handoff:
-    # fixed, and per block moved (on a fresh stack mostly the first touch of the decode worker's
-    # cache pages), read off the short and the long prompt
+    # fixed, and per block moved, read off the short and the long prompt
     (b0, h0), (b1, h1) = (_handoff(profile, r) for r in (short, long))
     handoff_per_block = max(0.0, (h1 - h0) / (b1 - b0)) if b1 > b0 else 0.0
     handoff = max(0.0, h0 - handoff_per_block * b0)

@@ -95,9 +95,9 @@ class Profile:
     request_overhead_s: float = 0.0
     # time from a prefill's first token to its decode job's KV read beginning, beyond the KV write:
     # the job's hops and pickup, and per block of KV moved, what the kvstore paths above leave out
-    # (the engines' export and import; on a fresh CPU stack mostly the first touch of the decode
-    # worker's cache pages). A calibration measures both in the first decode gap, of a short prompt
-    # and of a long one
+    # (the engines' export and import; on a fresh CPU stack, before the KV memory was faulted in
+    # ahead of use, mostly the first touch of the decode worker's cache pages). A calibration
+    # measures both in the first decode gap, of a short prompt and of a long one
     handoff_s: float = 0.0
     handoff_per_block_s: float = 0.0
     # tokens a stream receives per event (speculative decoding: a step verifies several and keeps
