@@ -81,3 +81,16 @@ def test_an_engine_cache_faults_in_ahead_of_its_allocator():
     cache.write_blocks(blocks, incoming)
     assert torch.equal(cache.read_blocks(blocks), incoming)
     assert not cache.data[28:].any()
+
+
+def test_where_the_kernel_cannot_populate_the_thread_stops_and_nothing_waits(monkeypatch):
+    import shared.kvcache.pages as pages
+
+    monkeypatch.setattr(pages, "populate", lambda address, length: False)  # no MADV_POPULATE_WRITE here
+    mem = mmap.mmap(-1, 8 * PAGE)
+    warm = WarmAhead(np.frombuffer(mem, dtype=np.uint8).ctypes.data, PAGE, 8, ahead=4)
+    assert warm.wait(10) and warm.done == 0
+    warm.need(6)  # after the thread stopped: a no-op, never a hang
+    assert warm.wait(1)
+    warm._thread.join(10)
+    assert not warm._thread.is_alive()
