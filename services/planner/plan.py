@@ -9,6 +9,9 @@ prefill pool's doing, ITL the decode pool's — so each pool is sized on its own
     3. (P_min, D_min) together; while an SLO is missed, grow the pool that misses it
     4. colocated (and conditional, if asked): the fewest workers meeting both, per chunk budget
 
+The prefill pool may also be tried on other profiles of the same model (`--prefill-profile`: another
+tensor-parallel group, say); each is a search of its own, and configurations are ranked by GPUs.
+
 Each count is found by bisection (the SLO metrics fall as a pool grows), bracketed by steps that
 double away from where the profile sizer (forecast.ProfileSizer: queueing models of the two pools,
 on the mix measured in one roomy simulation) puts it — when it is right, two or three simulations
@@ -22,7 +25,7 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -39,13 +42,17 @@ log = logging.getLogger("pdserve.plan")
 class PlanSpec:
     slo_ttft_p90_ms: float
     slo_itl_p90_ms: float
-    budget: int  # workers (GPUs) at most
+    budget: int  # workers at most (a worker is the profile's gpus_per_worker GPUs; answers are ranked by GPUs)
     modes: tuple[str, ...] = ("disaggregated", "colocated")
     chunk_budgets: tuple[int | None, ...] = (None,)  # None: the profile's
     kv_path: str = "shm"
     # None: the SLOs are on the p90s (the issue's form). A percentage: instead, at least this share of
     # requests must meet TTFT, and of TPOT (each request's mean ITL), and both together
     attainment_pct: float | None = None
+    # jobs a prefill worker takes at once (`pdserve up --max-inflight`), None: the profile's. A worker
+    # with room pulls the next job even while busy, so a deep one queues jobs behind its own long
+    # prompts while another worker frees up; a shallow one leaves them in the shared queue
+    prefill_inflights: tuple[int | None, ...] = (None,)
 
     def __post_init__(self) -> None:
         if self.slo_ttft_p90_ms <= 0 or self.slo_itl_p90_ms <= 0:
@@ -65,9 +72,16 @@ class Trial:
     itl_ok: bool = False
     both_ok: bool = False
 
+    prefill_profile: str | None = None  # the prefill pool's own profile (by name), None: the main one
+    tpot_p90_ms: float = 0.0
+
     @property
     def workers(self) -> int:
         return self.config.num_workers
+
+    @property
+    def gpus(self) -> float:
+        return self.summary["per_gpu"]["gpus"]
 
     def meets(self, spec: PlanSpec) -> bool:
         return self.ttft_ok and self.itl_ok and self.both_ok
@@ -78,9 +92,12 @@ class Trial:
         if not self.ttft_ok:
             reasons.append(f"TTFT p90 {self.ttft_p90_ms:.0f} ms > {spec.slo_ttft_p90_ms:g}" if spec.attainment_pct is None
                            else f"TTFT met by {att.get('ttft_pct', 0):.1f}% < {spec.attainment_pct:g}%")
-        if not self.itl_ok:
-            reasons.append(f"ITL p90 {self.itl_p90_ms:.1f} ms > {spec.slo_itl_p90_ms:g}" if spec.attainment_pct is None
-                           else f"TPOT met by {att.get('tpot_pct', 0):.1f}% < {spec.attainment_pct:g}%")
+        if not self.itl_ok and spec.attainment_pct is None:
+            reasons.append(f"ITL p90 {self.itl_p90_ms:.1f} ms > {spec.slo_itl_p90_ms:g}" if self.itl_p90_ms >
+                           spec.slo_itl_p90_ms else f"TPOT p90 {self.tpot_p90_ms:.1f} ms > {spec.slo_itl_p90_ms:g} "
+                           "(streams wait for a decode slot)")
+        elif not self.itl_ok:
+            reasons.append(f"TPOT met by {att.get('tpot_pct', 0):.1f}% < {spec.attainment_pct:g}%")
         if self.ttft_ok and self.itl_ok and not self.both_ok:
             reasons.append(f"both met by {self.summary['goodput']['attainment_pct']:.1f}% < {spec.attainment_pct:g}%")
         if self.workers > spec.budget:
@@ -90,88 +107,105 @@ class Trial:
     def to_json(self) -> dict[str, Any]:
         c = self.config
         return {"mode": c.mode, "prefill": c.prefill if c.mode != "colocated" else 0, "decode": c.decode,
-                "workers": self.workers, "chunk_budget": c.max_num_batched_tokens, "ttft_p90_ms": self.ttft_p90_ms,
+                "prefill_profile": self.prefill_profile, "prefill_inflight": c.prefill_max_inflight,
+                "workers": self.workers, "gpus": self.gpus, "chunk_budget": c.max_num_batched_tokens,
+                "ttft_p90_ms": self.ttft_p90_ms, "tpot_p90_ms": self.tpot_p90_ms,
                 "itl_p90_ms": self.itl_p90_ms, "request_goodput": self.goodput,
                 "request_throughput": self.summary["request_throughput"]}
 
 
 class Planner:
-    """Runs and remembers simulations of one workload (`arrivals()` gives a fresh request list)."""
+    """Runs and remembers simulations of one workload (`arrivals()` gives a fresh request list).
+    `prefill_profiles`: other profiles the prefill pool may run on, by name (the same model's KV)."""
 
-    def __init__(self, profile: Profile, spec: PlanSpec, arrivals: Callable[[], list], slo_tpot_ms: float | None = None):
+    def __init__(self, profile: Profile, spec: PlanSpec, arrivals: Callable[[], list], slo_tpot_ms: float | None = None,
+                 prefill_profiles: Mapping[str, Profile] | None = None):
         self.profile, self.spec, self.arrivals = profile, spec, arrivals
+        self.prefill_profiles = dict(prefill_profiles or {})
         self.slo_tpot_ms = slo_tpot_ms if slo_tpot_ms is not None else spec.slo_itl_p90_ms
-        self.trials: dict[ClusterConfig, Trial] = {}
+        self.trials: dict[tuple[ClusterConfig, str | None], Trial] = {}
         self.sized: dict[str, Any] | None = None  # what the profile sizer said, where the search started
 
-    def trial(self, config: ClusterConfig) -> Trial:
-        if config not in self.trials:
+    def trial(self, config: ClusterConfig, prefill_profile: str | None = None) -> Trial:
+        key = (config, prefill_profile)
+        if key not in self.trials:
             s = simulate(self.profile, config, self.arrivals(), slo_ttft_ms=self.spec.slo_ttft_p90_ms,
-                         slo_tpot_ms=self.slo_tpot_ms)
+                         slo_tpot_ms=self.slo_tpot_ms,
+                         prefill_profile=self.prefill_profiles[prefill_profile] if prefill_profile else None)
             ttft = s["ttft_ms"]["p90"] if s["ttft_ms"] else float("inf")
             itl = s["itl_ms"]["p90"] if s["itl_ms"] else 0.0
             spec = self.spec
+            # a stream's mean gap (TPOT) as well: ITL's p90 over all gaps misses a wait for a decode
+            # slot, one gap a stream, however long
+            tpot = s["tpot_ms"]["p90"] if s.get("tpot_ms") else 0.0
             if spec.attainment_pct is None:
-                ok = (ttft <= spec.slo_ttft_p90_ms, itl <= spec.slo_itl_p90_ms)
+                ok = (ttft <= spec.slo_ttft_p90_ms, itl <= spec.slo_itl_p90_ms and tpot <= spec.slo_itl_p90_ms)
                 ok += (ok[0] and ok[1],)
             else:
                 att, a = s["slo_attainment"], spec.attainment_pct
                 ok = (att["ttft_pct"] >= a, att["tpot_pct"] >= a, s["goodput"]["attainment_pct"] >= a)
-            self.trials[config] = Trial(config, ttft, itl, s["goodput"]["request_goodput"], s, *ok)
-            log.info("%s P%d D%d chunk %s: TTFT p90 %.0f ms, ITL p90 %.1f ms", config.mode, config.prefill,
-                     config.decode, config.max_num_batched_tokens, ttft, itl)
-        return self.trials[config]
+            self.trials[key] = Trial(config, ttft, itl, s["goodput"]["request_goodput"], s, *ok,
+                                     prefill_profile=prefill_profile, tpot_p90_ms=tpot)
+            log.info("%s P%d%s D%d chunk %s inflight %s: TTFT p90 %.0f ms, ITL p90 %.1f ms", config.mode,
+                     config.prefill, f" ({prefill_profile})" if prefill_profile else "", config.decode,
+                     config.max_num_batched_tokens, config.prefill_max_inflight, ttft, itl)
+        return self.trials[key]
 
     def smallest(self, make: Callable[[int], ClusterConfig], ok: Callable[[Trial], bool], hi: int,
-                 guess: int | None = None) -> int | None:
+                 guess: int | None = None, prefill_profile: str | None = None) -> int | None:
         """The least n in [1, hi] with ok(trial(make(n))), assuming ok is monotone in n: from 1 by
         doubling, or from `guess` by steps that double away from it (a good guess: two or three
         simulations), then bisection."""
+        def trial(c: ClusterConfig) -> Trial:
+            return self.trial(c, prefill_profile)
+
         if guess is None:
             lo, n = 0, 1
         else:
             n = min(max(1, guess), hi)
             step = 1
-            if ok(self.trial(make(n))):  # down until it fails
+            if ok(trial(make(n))):  # down until it fails
                 lo = n - step
-                while lo >= 1 and ok(self.trial(make(lo))):
+                while lo >= 1 and ok(trial(make(lo))):
                     n, step = lo, 2 * step
                     lo = n - step
                 lo = max(lo, 0)
             else:  # up until it holds
                 lo = n
                 n = min(hi, n + step)
-                while not ok(self.trial(make(n))):
+                while not ok(trial(make(n))):
                     if n >= hi:
                         return None
                     lo, step = n, 2 * step
                     n = min(hi, n + step)
-        while guess is None and not ok(self.trial(make(n))):
+        while guess is None and not ok(trial(make(n))):
             if n >= hi:
                 return None
             lo, n = n, min(hi, 2 * n)
         # ok(n), not ok(lo) (or lo = 0)
         while n - lo > 1:
             mid = (lo + n) // 2
-            if ok(self.trial(make(mid))):
+            if ok(trial(make(mid))):
                 n = mid
             else:
                 lo = mid
         return n
 
-    def plan_disaggregated(self, chunk: int | None) -> Trial | None:
-        spec = self.spec
-        base = ClusterConfig(mode="disaggregated", kv_path=spec.kv_path, max_num_batched_tokens=chunk)
+    def plan_disaggregated(self, chunk: int | None, prefill_profile: str | None = None,
+                           inflight: int | None = None) -> Trial | None:
+        spec, pp = self.spec, prefill_profile
+        base = ClusterConfig(mode="disaggregated", kv_path=spec.kv_path, max_num_batched_tokens=chunk,
+                             prefill_max_inflight=inflight)
         big = max(1, spec.budget - 1)
-        guess = self.guess(replace(base, prefill=big, decode=big))
+        guess = self.guess(replace(base, prefill=big, decode=big), pp)
         p = self.smallest(lambda n: replace(base, prefill=n, decode=big),
-                          lambda t: t.ttft_ok, big, guess[0])
+                          lambda t: t.ttft_ok, big, guess[0], pp)
         d = self.smallest(lambda n: replace(base, prefill=big, decode=n),
-                          lambda t: t.itl_ok, big, guess[1])
+                          lambda t: t.itl_ok, big, guess[1], pp)
         if p is None or d is None:
             return None
         while p + d <= spec.budget:
-            t = self.trial(replace(base, prefill=p, decode=d))
+            t = self.trial(replace(base, prefill=p, decode=d), pp)
             if t.meets(spec):
                 return t
             if not t.ttft_ok or t.itl_ok:  # (both met separately, not together: grow prefill first)
@@ -180,12 +214,13 @@ class Planner:
                 d += max(1, d // 20)
         return None
 
-    def guess(self, roomy: ClusterConfig) -> tuple[int | None, int | None]:
+    def guess(self, roomy: ClusterConfig, prefill_profile: str | None = None) -> tuple[int | None, int | None]:
         """Where to start looking: what the profile sizer (forecast.ProfileSizer) says each pool needs
-        for this load's rate and mix, the mix measured on `roomy` (pools too big to queue)."""
+        for this load's rate and mix, the mix measured on `roomy` (pools too big to queue; the prefill
+        seconds a request, so, on the prefill pool's own profile)."""
         reqs = self.arrivals()
         span = max(r.arrival_s for r in reqs) - min(r.arrival_s for r in reqs)
-        mix = Mix.of(Load(**self.trial(roomy).summary["sim"]["load"]))
+        mix = Mix.of(Load(**self.trial(roomy, prefill_profile).summary["sim"]["load"]))
         if mix is None or span <= 0:
             return None, None
         spec, tau = self.spec, self.profile.tokens_per_event
@@ -194,7 +229,7 @@ class Planner:
                              min(self.slo_tpot_ms, spec.slo_itl_p90_ms / tau) / 1e3, pct, spec.kv_path)
         rate = len(reqs) / span
         p, d = sizer.workers(0, rate, mix), sizer.workers(1, rate, mix)
-        self.sized = {"prefill": p, "decode": d, "rate": rate, "mix": mix.__dict__}
+        self.sized = {"prefill": p, "decode": d, "rate": rate, "mix": mix.__dict__, "prefill_profile": prefill_profile}
         return p, d
 
     def plan_single_pool(self, mode: str, chunk: int | None) -> Trial | None:
@@ -210,17 +245,20 @@ class Planner:
         best: list[Trial] = []
         for chunk in self.spec.chunk_budgets:
             for mode in self.spec.modes:
-                t = self.plan_disaggregated(chunk) if mode == "disaggregated" else self.plan_single_pool(mode, chunk)
-                if t is not None:
-                    best.append(t)
-        best.sort(key=lambda t: (t.workers, -(t.goodput or 0)))
+                if mode == "disaggregated":
+                    found = [self.plan_disaggregated(chunk, pp, inflight) for pp in (None, *self.prefill_profiles)
+                             for inflight in self.spec.prefill_inflights]
+                else:
+                    found = [self.plan_single_pool(mode, chunk)]
+                best += [t for t in found if t is not None]
+        best.sort(key=lambda t: (t.gpus, -(t.goodput or 0)))
         feasible_ids = {id(t) for t in best}
-        tried = sorted(self.trials.values(), key=lambda t: t.workers)
+        tried = sorted(self.trials.values(), key=lambda t: t.gpus)
         rejected = [t.to_json() | {"why_not": t.why_not(self.spec)} for t in tried
                     if id(t) not in feasible_ids and not t.meets(self.spec)]
         return {"slo": {"ttft_p90_ms": self.spec.slo_ttft_p90_ms, "itl_p90_ms": self.spec.slo_itl_p90_ms},
                 "budget": self.spec.budget, "recommended": best[0].to_json() if best else None,
-                "runner_ups": [t.to_json() | {"why": f"{t.workers - best[0].workers} more workers"} for t in best[1:]],
+                "runner_ups": [t.to_json() | {"why": f"{t.gpus - best[0].gpus:g} more GPUs"} for t in best[1:]],
                 "rejected": rejected[:20], "simulations": len(self.trials), "profile_sizer": self.sized}
 
 
@@ -229,11 +267,16 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
 
     add_workload_args(p)
     p.add_argument("--profile", default=None)
+    p.add_argument("--prefill-profile", action="append", default=[], metavar="FILE",
+                   help="another profile of the same model the prefill pool may run on (another tensor-parallel "
+                        "group): each is searched too, and the configurations ranked by GPUs (repeatable)")
     p.add_argument("--slo-ttft-p90-ms", type=float, required=True)
     p.add_argument("--slo-itl-p90-ms", type=float, required=True)
-    p.add_argument("--budget", type=int, required=True, help="workers (GPUs) at most")
+    p.add_argument("--budget", type=int, required=True, help="workers at most (answers are ranked by GPUs)")
     p.add_argument("--modes", default="disaggregated,colocated", help="comma list of modes to consider")
     p.add_argument("--chunk-budgets", default="", help="comma list of max tokens per step (default: the profile's)")
+    p.add_argument("--prefill-inflights", default="",
+                   help="comma list of jobs a prefill worker takes at once (--max-inflight; default: the profile's)")
     p.add_argument("--kv-path", default="shm", choices=["shm", "network"])
     p.add_argument("--json", default=None, help="write the plan here ('-': stdout)")
 
@@ -243,10 +286,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     profile = load_profile(args.profile)
     chunks = tuple(int(x) for x in args.chunk_budgets.split(",") if x.strip()) or (None,)
+    inflights = tuple(int(x) for x in args.prefill_inflights.split(",") if x.strip()) or (None,)
     spec = PlanSpec(args.slo_ttft_p90_ms, args.slo_itl_p90_ms, args.budget,
-                    tuple(m.strip() for m in args.modes.split(",") if m.strip()), chunks, args.kv_path)
+                    tuple(m.strip() for m in args.modes.split(",") if m.strip()), chunks, args.kv_path,
+                    prefill_inflights=inflights)
     reqs = request_list(args)
-    result = Planner(profile, spec, lambda: [replace(r) for r in reqs], args.slo_tpot_ms).plan()
+    prefill_profiles = {Path(f).stem: load_profile(f) for f in args.prefill_profile}
+    result = Planner(profile, spec, lambda: [replace(r) for r in reqs], args.slo_tpot_ms, prefill_profiles).plan()
     rec = result["recommended"]
     lines = [f"pdserve plan: {len(reqs)} requests, SLOs TTFT p90 <= {spec.slo_ttft_p90_ms:g} ms, "
              f"ITL p90 <= {spec.slo_itl_p90_ms:g} ms, budget {spec.budget} workers ({result['simulations']} simulations)"]
@@ -282,7 +328,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _describe(t: dict[str, Any]) -> str:
-    pools = f"{t['prefill']} prefill + {t['decode']} decode" if t["mode"] != "colocated" else f"{t['decode']} workers"
+    on = f" ({t['prefill_profile']})" if t.get("prefill_profile") else ""
+    pools = f"{t['prefill']} prefill{on} + {t['decode']} decode" if t["mode"] != "colocated" else f"{t['decode']} workers"
     chunk = f", chunk {t['chunk_budget']}" if t["chunk_budget"] else ""
-    return (f"{t['mode']} {pools}{chunk}: TTFT p90 {t['ttft_p90_ms']:.0f} ms, ITL p90 {t['itl_p90_ms']:.1f} ms, "
-            f"{t['request_throughput']:.2f} req/s")
+    chunk += f", {t['prefill_inflight']} jobs a prefill worker" if t.get("prefill_inflight") else ""
+    return (f"{t['mode']} {pools}{chunk}, {t['gpus']:g} GPUs: TTFT p90 {t['ttft_p90_ms']:.0f} ms, "
+            f"ITL p90 {t['itl_p90_ms']:.1f} ms, {t['request_throughput']:.2f} req/s")

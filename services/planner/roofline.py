@@ -6,6 +6,13 @@
     decode    bandwidth-bound: the weights once a step, each sequence's KV once a step, at `mbu`
               of peak bandwidth; plus 2·params FLOPs per sequence at `decode_mfu`
     transfer  a fixed latency + bytes ÷ link bandwidth (same host: `shm_gbps`; other host: `net_gbps`)
+    tensor    a worker of `gpus` > 1 GPUs (Megatron-style tensor parallel) all-reduces its activations
+    parallel  twice a layer (after attention, after the MLP): each costs `allreduce_latency_s` plus, for
+              a ring, 2·(g − 1)/g of the tokens' bytes (hidden × 2 a token) over `allreduce_busbw`
+              (NCCL's bus bandwidth), not overlapped with compute. So a step of T tokens (prefill) or
+              T sequences (decode) gains 2·layers·latency + T·2·layers·2(g−1)/g·hidden·2/busbw. For 70B
+              at TP8 that is +28% on a prefill token and 2.5 ms on a decode step of 100: what makes a
+              smaller tensor-parallel group cheaper per GPU for prefill (`pdserve plan --prefill-profile`)
 
 `pdserve profile` measures the machine it runs on; this is for planning a fleet of GPUs from here.
 """
@@ -14,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shared.sim.cost import DecodeFit, EngineLimits, LinearFit, PrefillFit, Profile, TransferFit
@@ -42,6 +49,10 @@ class RooflineSpec:
     prefill_max_inflight: int = 8
     kvstore_slots: int = 200_000  # host memory for the prefix cache, in blocks
     gpus: int = 1  # GPUs one worker spans (tensor parallel): peak figures above are per GPU
+    # one all-reduce among the worker's GPUs (NVLink within an 8-GPU H100 host): a small message's time,
+    # and the bus bandwidth a large one gets (nccl-tests' busbw; ~360 GB/s on H100 SXM without NVLS)
+    allreduce_latency_s: float = 8e-6
+    allreduce_busbw: float = 360e9
 
     def __post_init__(self) -> None:
         for name, value in self.__dict__.items():
@@ -57,17 +68,25 @@ PRESETS = {
                                         mfu=0.4, mbu=0.6, step_overhead_s=0.004, prefill_max_inflight=8,
                                         max_num_seqs=256),
 }
+# the same model on half the GPUs: 35 GB of weights a GPU leave 45 GB for KV (at TP2, 2.8 GB: too little
+# for a 32k-token prompt)
+PRESETS["llama3-70b-tp4-h100"] = replace(PRESETS["llama3-70b-tp8-h100"], gpus=4,
+                                         name="llama-3-70b tp4 on 4× h100-sxm (roofline)")
 
 
 def roofline_profile(spec: RooflineSpec) -> Profile:
     block_bytes = 16 * spec.kv_bytes_per_token
     flops, bw, hbm = spec.peak_flops * spec.gpus, spec.peak_bw * spec.gpus, spec.hbm_bytes * spec.gpus
     weights_s = spec.weight_bytes / (bw * spec.mbu)
-    prefill = PrefillFit(base_s=weights_s + spec.step_overhead_s,
-                         per_token_s=2 * spec.params / (flops * spec.mfu),
+    g = spec.gpus
+    allreduces = 2 * spec.layers if g > 1 else 0  # a step's, each over every token's activations
+    comm_base_s = allreduces * spec.allreduce_latency_s
+    comm_token_s = allreduces * 2 * (g - 1) / g * spec.hidden * 2 / spec.allreduce_busbw
+    prefill = PrefillFit(base_s=weights_s + spec.step_overhead_s + comm_base_s,
+                         per_token_s=2 * spec.params / (flops * spec.mfu) + comm_token_s,
                          per_attn_pair_s=4 * spec.layers * spec.hidden / (flops * spec.mfu), per_seq_s=0.0)
-    decode = DecodeFit(base_s=weights_s + spec.step_overhead_s,
-                       per_seq_s=2 * spec.params / (flops * spec.decode_mfu),
+    decode = DecodeFit(base_s=weights_s + spec.step_overhead_s + comm_base_s,
+                       per_seq_s=2 * spec.params / (flops * spec.decode_mfu) + comm_token_s,
                        per_ctx_token_s=spec.kv_bytes_per_token / (bw * spec.mbu))
     kv_blocks = int((hbm * 0.9 - spec.weight_bytes) / block_bytes)
     transfer = {path: TransferFit(LinearFit(1e-3, 1 / (gbps * 1e9)), LinearFit(1e-3, 1 / (gbps * 1e9)))

@@ -53,6 +53,11 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="chunk budget (default: the profile's)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="per decode worker")
+    p.add_argument("--prefill-profile", default=None, metavar="FILE",
+                   help="the prefill pool's own profile: the same model on another tensor-parallel group "
+                        "(default: --profile)")
+    p.add_argument("--prefill-max-inflight", type=int, default=None,
+                   help="jobs a prefill worker takes at once (default: the profile's)")
     g = p.add_argument_group("a fleet resized while it runs (the forecast planner)")
     g.add_argument("--scale", action="store_true",
                    help="resize the pools while it runs: each sized for the forecast load from the profile and the "
@@ -94,7 +99,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
 def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig(mode=args.mode, prefill=args.prefill, decode=args.decode, kv_path=args.kv_path,
                          max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                         num_kv_blocks=args.num_kv_blocks)
+                         num_kv_blocks=args.num_kv_blocks, prefill_max_inflight=args.prefill_max_inflight)
 
 
 def make_scaler(args: argparse.Namespace, config: ClusterConfig, profile: Profile) -> ForecastScaler | None:
@@ -129,9 +134,10 @@ def request_list(args: argparse.Namespace) -> list:
                                  output_tokens=args.output_len))
 
 
-def run_simulation(args: argparse.Namespace, profile: Profile, config: ClusterConfig) -> list[dict[str, Any]]:
+def run_simulation(args: argparse.Namespace, profile: Profile, config: ClusterConfig,
+                   prefill_profile: Profile | None = None) -> list[dict[str, Any]]:
     """One run per phase (interference: baseline and with long prompts), like `pdserve bench`."""
-    slo = dict(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+    slo = dict(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, prefill_profile=prefill_profile)
     if args.trace:
         return [_run("trace", math.nan, None, simulate(profile, config, request_list(args), **slo,
                                                         scaler=make_scaler(args, config, profile)))]
@@ -182,13 +188,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         profile = profile.with_tokens_per_event(args.tokens_per_event or profile.tokens_per_event,
                                                 args.drafts_per_event)
     config = cluster_config(args)
-    runs = run_simulation(args, profile, config)
+    prefill_profile = load_profile(args.prefill_profile) if args.prefill_profile else None
+    runs = run_simulation(args, profile, config, prefill_profile)
     report = {"model": profile.meta.get("model", "?"), "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "simulated": True, "profile": str(args.profile or "default"), "profile_meta": profile.meta,
               "config": {k: v for k, v in vars(args).items() if k not in ("func",)} | {"cluster": config.__dict__},
               "interference": interference_ratio(runs), "runs": runs}
     text = json.dumps(report, indent=1, default=str)
-    lines = [f"pdserve simulate: {config.mode}, {config.prefill if config.mode != 'colocated' else 0} prefill + "
+    on = f" (on {args.prefill_profile})" if prefill_profile else ""
+    lines = [f"pdserve simulate: {config.mode}, {config.prefill if config.mode != 'colocated' else 0} prefill{on} + "
              f"{config.decode} decode workers, {args.trace or args.workload}, profile {args.profile or 'default'}"]
     for run in runs:
         s = run["summary"]

@@ -2,7 +2,10 @@
 Mooncake's, how many GPUs does each way of deploying need to meet the same SLOs, and so what is
 each one's goodput per GPU?
 
-    planned      `pdserve plan`'s search: prefill and decode pools sized apart, for the peak
+    planned      `pdserve plan`'s search: prefill and decode pools sized apart, for the peak; with
+                 `--prefill-profile` the prefill pool may also run on another tensor-parallel group
+                 (the same model on TP4 instead of TP8), and with `--prefill-inflights` on another
+                 number of jobs a prefill worker takes at once: the fewest GPUs wins
     planned, scaled over the hour
                  the same split, resized every minute by the forecast planner (services/planner/
                  forecast.py): each pool's capacity per worker from the planned configuration at
@@ -11,7 +14,10 @@ each one's goodput per GPU?
                  the same, but each pool sized by the profile sizer (forecast.ProfileSizer): from
                  the profile and the mix of the requests finished lately, nothing from the search
                  but the fleet it starts as
-    static 1:1   disaggregated, as many prefill as decode workers (the smallest such pair that meets them)
+    static 1:1   disaggregated, as many prefill as decode workers (the smallest such pair that meets them),
+                 on the main profile (TP8) with its jobs at once; and again with the planned split's
+                 number of jobs at once, so that the split is not credited with a knob the baseline
+                 could turn too
     colocated    every worker does both, chunked prefill (the smallest count that meets them)
 
 Goodput per GPU divides the requests that met both SLOs per second by the GPUs held on average
@@ -27,11 +33,14 @@ chunk budgets `colocated_chunks` and keeps the cheapest.
 Sizing alone is bounded: static needs k = max(P, D) of each, so a split sized for the same peak
 saves at most 2·max(P, D) / (P + D) < 2× in GPUs. Following the load through the hour saves at
 most the ratio of the peak's load to the mean (1.5 for this trace's ±50% swing), less the headroom
-and the workers paid for while they load or drain. The rest of a planner's gain would have to come
-from choosing per-pool parallelism or batching, which this profile (one worker = one TP8 instance)
-does not model.
+and the workers paid for while they load or drain. The rest of a planner's gain has to come from
+choosing each pool's parallelism: on the roofline, with the all-reduces of tensor parallelism priced
+(services/planner/roofline.py), a prefill token costs less GPU time on TP4 than on TP8, while decode
+carries more per GPU on TP8 (the weights read once a step for more sequences).
 
     python -m services.planner.study --out study.json      (≈ 30 min: 21 of them the searches)
+    python -m services.planner.study --prefill-profile shared/sim/profiles/roofline-llama3-70b-tp4-h100.json \
+        --prefill-inflights 2,4,8 --max-workers 400 --out study.json
     python -m services.planner.study --configs-from study.json --out study2.json      (no searches: ≈ 10 min)
 """
 
@@ -72,20 +81,31 @@ def busiest(requests: list, window_s: float) -> list:
 
 
 def _search(planner: Planner, spec: PlanSpec, max_workers: int,
-            colocated_chunks: tuple[int, ...]) -> dict[str, ClusterConfig | None]:
+            colocated_chunks: tuple[int, ...]) -> tuple[dict[str, ClusterConfig | None], dict[str, str | None]]:
+    """The configurations by name, and the prefill profile each one's prefill pool runs on (by name)."""
     found: dict[str, ClusterConfig | None] = {}
-    planned = planner.plan_disaggregated(None)
+    on: dict[str, str | None] = {}
+    tried = [planner.plan_disaggregated(None, pp, inflight) for pp in (None, *planner.prefill_profiles)
+             for inflight in spec.prefill_inflights]
+    planned = min((t for t in tried if t is not None), key=lambda t: t.gpus, default=None)
     found["planned"] = planned.config if planned else None
-    base = ClusterConfig(mode="disaggregated", kv_path="network")
-    n = planner.smallest(lambda k: replace(base, prefill=k, decode=k), lambda t: t.meets(spec), max_workers // 2)
-    found["static 1:1"] = replace(base, prefill=n, decode=n) if n else None
+    on["planned"] = planned.prefill_profile if planned else None
+    # the baseline: equal pools on the main profile, each worker taking the profile's number of jobs at
+    # once, and (where the planned split takes another) with the planned split's number too
+    inflights = [None] + ([planned.config.prefill_max_inflight] if planned and
+                          planned.config.prefill_max_inflight is not None else [])
+    for inflight in inflights:
+        base = ClusterConfig(mode="disaggregated", kv_path="network", prefill_max_inflight=inflight)
+        n = planner.smallest(lambda k: replace(base, prefill=k, decode=k), lambda t: t.meets(spec), max_workers // 2)
+        name = "static 1:1" if inflight is None else f"static 1:1, {inflight} jobs a prefill worker"
+        found[name] = replace(base, prefill=n, decode=n) if n else None
     found["colocated"] = None
     for chunk in colocated_chunks:
         colo = ClusterConfig(mode="colocated", kv_path="network", max_num_batched_tokens=chunk)
         n = planner.smallest(lambda k: replace(colo, decode=k), lambda t: t.meets(spec), max_workers)
         if n and (found["colocated"] is None or n < found["colocated"].decode):
             found["colocated"] = replace(colo, decode=n)
-    return found
+    return found, on
 
 
 def _config(name: str, row: dict[str, Any] | None) -> ClusterConfig | None:
@@ -94,30 +114,40 @@ def _config(name: str, row: dict[str, Any] | None) -> ClusterConfig | None:
         return None
     mode = "colocated" if name == "colocated" else "disaggregated"
     return ClusterConfig(mode=mode, kv_path="network", prefill=max(1, round(row["prefill"])),
-                         decode=round(row["decode"]), max_num_batched_tokens=row["chunk_budget"])
+                         decode=round(row["decode"]), max_num_batched_tokens=row["chunk_budget"],
+                         prefill_max_inflight=row.get("prefill_inflight"))
 
 
 def run_study(profile_path: str, rate: float, duration_s: float, search_s: float, slo_ttft_ms: float,
               slo_tpot_ms: float, attainment: float, max_workers: int, seed: int = 0,
               colocated_chunks: tuple[int, ...] = (512, 1024, 2048), interval_s: float = 60.0,
               startup_s: float = 120.0, headroom: float = 0.1,
-              variants: tuple[tuple[float, float], ...] = (), configs_from: dict[str, Any] | None = None
+              variants: tuple[tuple[float, float], ...] = (), configs_from: dict[str, Any] | None = None,
+              prefill_profiles: tuple[str, ...] = (), prefill_inflights: tuple[int | None, ...] = (None,)
               ) -> dict[str, Any]:
     """`variants`: more (headroom, startup_s) pairs for the scaled fleet, each a row of its own.
     `configs_from`: an earlier result of the study: its configurations are simulated again without
-    the searches (for a change to the scaled fleet's policy, which the searches do not depend on)."""
+    the searches (for a change to the scaled fleet's policy, which the searches do not depend on).
+    `prefill_profiles`: files of the same model on other tensor-parallel groups, which the planned
+    split's prefill pool may run on; `prefill_inflights`: the jobs a prefill worker takes at once
+    that its search tries (None: the profile's)."""
     profile = load_profile(profile_path)
-    gpw = profile.limits.gpus_per_worker
+    pools = {Path(f).stem: load_profile(f) for f in prefill_profiles}
     full = trace(rate, duration_s, seed)
     search = busiest(full, search_s)
     spec = PlanSpec(slo_ttft_ms, slo_tpot_ms, max_workers, modes=("disaggregated",), kv_path="network",
-                    attainment_pct=attainment)
-    planner = Planner(profile, spec, lambda: [replace(r) for r in search], slo_tpot_ms)
+                    attainment_pct=attainment, prefill_inflights=prefill_inflights)
+    planner = Planner(profile, spec, lambda: [replace(r) for r in search], slo_tpot_ms, pools)
     t0 = time.perf_counter()
     if configs_from is not None:
-        found = {name: _config(name, configs_from["rows"].get(name)) for name in ("planned", "static 1:1", "colocated")}
+        found = {name: _config(name, row) for name, row in configs_from["rows"].items()
+                 if not name.startswith("planned, scaled")}
+        on = {name: row.get("prefill_profile") for name, row in configs_from["rows"].items() if row}
+        missing = {pp for pp in on.values() if pp} - set(pools)
+        if missing:
+            raise ValueError(f"the earlier result's prefill pool ran on {sorted(missing)}: give --prefill-profile for it")
     else:
-        found = _search(planner, spec, max_workers, colocated_chunks)
+        found, on = _search(planner, spec, max_workers, colocated_chunks)
     search_wall = time.perf_counter() - t0
     scalers: dict[str, ForecastScaler] = {}
     if found["planned"] is not None:  # the planned split, resized through the hour
@@ -134,19 +164,24 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
                                            current=[p.prefill, p.decode], max_workers=(max_workers, max_workers),
                                            budget=max_workers)
             found[name] = p
+            on[name] = on["planned"]
     rows = {}
     for name, config in found.items():
         if config is None:
             rows[name] = None
             continue
         scaler = scalers.get(name)
+        pp = on.get(name)
         s = simulate(profile, config, [replace(r) for r in full], slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
-                     scaler=scaler)
+                     scaler=scaler, prefill_profile=pools[pp] if pp else None)
         gpus = s["per_gpu"]["gpus"]  # a scaled fleet: the mean over the run
         cost = {k: v for k, v in s["cost"].items() if "workers" in v}
+        gpw = {"prefill": (pools[pp] if pp else profile).limits.gpus_per_worker}
         rows[name] = {"prefill": round(cost.get("prefill", {}).get("workers", 0), 2),  # a scaled fleet: means
                       "decode": round((cost.get("decode") or cost["colocated"])["workers"], 2),
-                      "max_gpus": sum(v["max_workers"] for v in cost.values()) * gpw,
+                      "prefill_profile": pp, "prefill_inflight": config.prefill_max_inflight,
+                      "max_gpus": sum(v["max_workers"] * gpw.get(k, profile.limits.gpus_per_worker)
+                                      for k, v in cost.items()),
                       "scaling": {"interval_s": interval_s, "startup_s": scaler.startup_s,
                                   "headroom": scaler.headroom,
                                   **scaler.sizer.describe(),
@@ -162,10 +197,12 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
         log.info("%s: %s", name, rows[name])
     ratios = {}
     for mine in ("planned", "planned, scaled over the hour", "planned, scaled over the hour, sized from the profile"):
-        for other in ("static 1:1", "colocated"):
+        for other in [name for name in rows if name.startswith("static 1:1")] + ["colocated"]:
             if rows.get(mine) and rows.get(other):
                 ratios[f"{mine}_vs_{other}"] = rows[mine]["goodput_per_gpu"] / rows[other]["goodput_per_gpu"]
-    return {"profile": profile_path, "profile_meta": profile.meta, "rate": rate, "duration_s": duration_s,
+    return {"profile": profile_path, "profile_meta": profile.meta,
+            "prefill_profiles": {name: pool.meta for name, pool in pools.items()}, "rate": rate,
+            "duration_s": duration_s,
             "search_s": search_s, "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms, "attainment_pct": attainment},
             "rows": rows, "goodput_per_gpu_ratios": ratios, "simulations": len(planner.trials) + len(found),
             "search_wall_s": search_wall if configs_from is None else configs_from.get("search_wall_s"),
@@ -188,6 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--headroom", type=float, default=0.1, help="capacity above the forecast")
     p.add_argument("--variant", action="append", default=[], metavar="HEADROOM:STARTUP",
                    help="another scaled fleet with this headroom and startup (repeatable)")
+    p.add_argument("--prefill-profile", action="append", default=[], metavar="FILE",
+                   help="the same model on another tensor-parallel group: the planned prefill pool may run on it "
+                        "(repeatable)")
+    p.add_argument("--prefill-inflights", default="",
+                   help="comma list of jobs a prefill worker takes at once, for the planned split's search "
+                        "(default: the profile's)")
     p.add_argument("--configs-from", default=None, metavar="RESULTS.json",
                    help="simulate an earlier result's configurations again instead of searching")
     p.add_argument("--out", default=None)
@@ -197,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
                        args.attainment, args.max_workers, interval_s=args.interval, startup_s=args.startup,
                        headroom=args.headroom,
                        variants=tuple(tuple(float(x) for x in v.split(":")) for v in args.variant),
-                       configs_from=json.loads(Path(args.configs_from).read_text()) if args.configs_from else None)
+                       configs_from=json.loads(Path(args.configs_from).read_text()) if args.configs_from else None,
+                       prefill_profiles=tuple(args.prefill_profile),
+                       prefill_inflights=tuple(int(x) for x in args.prefill_inflights.split(",") if x.strip())
+                       or (None,))
     print(json.dumps(result["rows"], indent=1))
     print(json.dumps(result["goodput_per_gpu_ratios"]))
     if args.out:

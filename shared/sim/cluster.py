@@ -26,6 +26,10 @@ worker takes its threads as a step begins and keeps them to its end, so a prefil
 borrowed cores runs at the unlent pace while a decode worker holds sequences (its second thread, at
 nice 10, shares a core with the decode worker's), and at the lent pace again once none does.
 
+The prefill pool may run on a profile of its own (`Cluster(prefill_profile=...)`: the same model on
+another tensor-parallel group, say): its workers' steps, KV writes and GPUs come from it, and
+everything a decode worker does from the main profile.
+
 Events sit in one heap as (time, sequence number, type, payload); a worker's step carries the
 worker's version, and an event whose version is stale (its span was cut short) is dropped.
 """
@@ -145,9 +149,16 @@ class PrefixCache:
 
 class Cluster:
     def __init__(self, profile: Profile, config: ClusterConfig, kinds: Iterable[str] = ("chat", "long"),
-                 itl_from_s: float | None = None, scaler: Scaler | None = None):
+                 itl_from_s: float | None = None, scaler: Scaler | None = None,
+                 prefill_profile: Profile | None = None):
         self.profile, self.config = profile, config
+        self.prefill_profile = prefill_profile or profile
         lim = profile.limits
+        if config.mode == "colocated" and prefill_profile is not None:
+            raise ValueError("a colocated cluster has one pool: no prefill profile of its own")
+        pl = self.prefill_profile.limits
+        if (pl.block_size, pl.kv_bytes_per_block) != (lim.block_size, lim.kv_bytes_per_block):
+            raise ValueError("the prefill profile's KV blocks differ from the decode profile's: not the same model")
         self.block_bytes = lim.kv_bytes_per_block
         self.bs = lim.block_size
         self.wids = itertools.count()
@@ -191,16 +202,21 @@ class Cluster:
 
     def _new_worker(self, pool: str, t: float) -> SimEngine:
         """A worker of `pool` ("prefill" | "decode": in colocated mode the engine workers), alive from `t`."""
-        cfg, lim = self.config, self.profile.limits
+        cfg = self.config
         role = "colocated" if cfg.mode == "colocated" else pool
+        profile = self.prefill_profile if role == "prefill" else self.profile
+        lim = profile.limits
         blocks = lim.num_kv_blocks if role == "prefill" else cfg.num_kv_blocks or lim.num_kv_blocks
-        w = SimEngine(next(self.wids), role, self.profile, blocks, cfg.max_num_seqs or lim.max_num_seqs,
+        w = SimEngine(next(self.wids), role, profile, blocks, cfg.max_num_seqs or lim.max_num_seqs,
                       cfg.max_num_batched_tokens or lim.max_num_batched_tokens, cfg.decode_spans)
         w.born_s = t
         return w
 
     def _cache_capacity(self) -> int:
-        workers = len(self.prefill_pool) + len(self.decode_pool)
+        # in workers of the main profile's size (a prefill pool of half-size workers fills hosts half as fast)
+        gpus = len(self.prefill_pool) * self.prefill_profile.limits.gpus_per_worker + \
+            len(self.decode_pool) * self.profile.limits.gpus_per_worker
+        workers = gpus / self.profile.limits.gpus_per_worker
         return self.profile.limits.kvstore_slots * max(1, math.ceil(workers / self.config.gpus_per_host))
 
     # ------------------------------------------------------------------------------------ run
@@ -341,7 +357,7 @@ class Cluster:
         req = self.reqs[rid]
         kind = self.rec.kind[rid]
         if prefilled:  # a decode job: read the KV (one read at a time per worker), then join
-            read = self.profile.transfer_time(self.config.kv_path, self._kv_bytes(req.prompt_tokens))[1]
+            read = w.profile.transfer_time(self.config.kv_path, self._kv_bytes(req.prompt_tokens))[1]
             start = max(t, w.intake_free_s)
             w.intake_free_s = start + read
             w.held += 1
@@ -359,7 +375,7 @@ class Cluster:
         seq = SimSeq(rid, kind, req.prompt_tokens, cached, 1 if prefill_only else req.output_tokens,
                      prefill_only, cached)
         if cached:  # the prefix's blocks are read from the store first
-            read = self.profile.transfer_time(self.config.kv_path, self._kv_bytes(cached))[1]
+            read = w.profile.transfer_time(self.config.kv_path, self._kv_bytes(cached))[1]
             w.held += 1
             self._push(t + read, JOIN, w, seq)
         else:
@@ -456,7 +472,7 @@ class Cluster:
             self._finished(seq.rid, t)
             return
         nbytes = self._kv_bytes(req.prompt_tokens) - self._kv_bytes(seq.cached)
-        write = self.profile.transfer_time(self.config.kv_path, nbytes)[0]
+        write = w.profile.transfer_time(self.config.kv_path, nbytes)[0]
         w.held += 1
         ks = self.kv_stats
         ks["transfers"] += 1
@@ -584,7 +600,7 @@ class Cluster:
             busy = sum(w.busy_s for w in pool)
             alive_s = sum((end if w.retired_s is None else w.retired_s) - w.born_s for w in pool)
             cost[name] = {"workers": alive_s / end if end > 0 else float(len(pool)), "max_workers": self._peak(name),
-                          "busy_s": busy, "gpu_s": alive_s * self.profile.limits.gpus_per_worker,
+                          "busy_s": busy, "gpu_s": alive_s * pool[0].profile.limits.gpus_per_worker,
                           "utilization": busy / alive_s if alive_s > 0 else 0.0,
                           "preemptions": sum(w.preemptions for w in pool),
                           "max_kv_blocks_used": max(w.max_used_blocks for w in pool),
@@ -595,7 +611,8 @@ class Cluster:
         summary["cost"] = cost
         # workers over time: the mean of a fleet that changed size, the count of one that did not
         n = sum(c["workers"] for k, c in cost.items() if k in by_role)
-        gpus = n * self.profile.limits.gpus_per_worker
+        gpus = sum(c["gpu_s"] for k, c in cost.items() if k in by_role) / end if end > 0 else \
+            sum(len(pool) * pool[0].profile.limits.gpus_per_worker for pool in by_role.values() if pool)
         good = summary["goodput"]
         summary["per_gpu"] = {"workers": n, "gpus": gpus, "request_throughput": summary["request_throughput"] / gpus,
                               "request_goodput": good["request_goodput"] / gpus if good else None}
@@ -618,11 +635,13 @@ class Cluster:
 
 def simulate(profile: Profile, config: ClusterConfig, arrivals: Iterable[SimRequest], *,
              closed: ClosedLoop | None = None, itl_from_s: float | None = None, slo_ttft_ms: float | None = None,
-             slo_tpot_ms: float | None = None, check: bool = False, scaler: Scaler | None = None) -> dict[str, Any]:
+             slo_tpot_ms: float | None = None, check: bool = False, scaler: Scaler | None = None,
+             prefill_profile: Profile | None = None) -> dict[str, Any]:
     """Run to the end; the summary (bench's shape) plus cost per phase and the simulator's own speed.
-    `scaler`: the pools change size as it decides (else they keep the config's counts)."""
+    `scaler`: the pools change size as it decides (else they keep the config's counts).
+    `prefill_profile`: the prefill pool's own (else `profile`'s)."""
     t0 = time.perf_counter()
-    cluster = Cluster(profile, config, itl_from_s=itl_from_s, scaler=scaler)
+    cluster = Cluster(profile, config, itl_from_s=itl_from_s, scaler=scaler, prefill_profile=prefill_profile)
     cluster.run(arrivals, closed, check_every=97 if check else 0)
     cluster.check_invariants(final=True)
     summary = cluster.report(slo_ttft_ms, slo_tpot_ms)

@@ -88,8 +88,42 @@ def test_the_search_starts_where_the_profile_sizer_points_and_finds_what_a_blind
     for seeded in (True, False):
         planner = Planner(load_profile(ROOFLINE), spec, lambda: [replace(r) for r in reqs])
         if not seeded:
-            planner.guess = lambda roomy: (None, None)
+            planner.guess = lambda roomy, prefill_profile=None: (None, None)
         t = planner.plan_disaggregated(None)
         found[seeded] = ((t.config.prefill, t.config.decode), len(planner.trials))
     assert found[True][0] == found[False][0]
-    assert found[True][1] * 2 <= found[False][1], found  # here 6 simulations against 15, both finding 12 : 5
+    assert found[True][1] * 2 <= found[False][1], found  # here 7 simulations against 16, both finding 17 : 5
+
+
+def test_plan_tries_the_prefill_pool_on_another_tensor_parallel_group_and_ranks_by_gpus(tmp_path):
+    """`--prefill-profile`: the 70B roofline's prefill pool on TP4 as well as TP8 (decode on TP8), each
+    with 2 or 8 jobs a prefill worker at once; the answer is the feasible one with the fewest GPUs,
+    counted at each pool's own size."""
+    from shared.sim.workload import mooncake_shaped_trace
+    from tests.planner.test_study import ROOFLINE
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(row) + "\n" for row in mooncake_shaped_trace(90.0, 40.0, seed=7)))
+    out = tmp_path / "plan.json"
+    tp4 = ROOFLINE.with_name("roofline-llama3-70b-tp4-h100.json")
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "plan", "--trace", str(trace), "--profile",
+                           str(ROOFLINE), "--prefill-profile", str(tp4), "--prefill-inflights", "2,8",
+                           "--slo-ttft-p90-ms", "4000", "--slo-itl-p90-ms", "40", "--budget", "120",
+                           "--modes", "disaggregated", "--kv-path", "network", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    rec, others = data["recommended"], data["runner_ups"]
+    assert len(others) == 3  # four searches: {TP8, TP4} × {2, 8} jobs at once, each found a configuration
+    found = {(t["prefill_profile"], t["prefill_inflight"]): t for t in [rec] + others}
+    assert set(found) == {(None, 2), (None, 8), (tp4.stem, 2), (tp4.stem, 8)}
+    for t in found.values():
+        gpus_per_prefill = 4 if t["prefill_profile"] else 8
+        assert t["gpus"] == pytest.approx(t["prefill"] * gpus_per_prefill + t["decode"] * 8)
+        # ITL's p90 is over all gaps: a stream's wait for a decode slot is one of ~180; its mean gap shows it
+        assert t["ttft_p90_ms"] <= 4000 and t["itl_p90_ms"] <= 40 and t["tpot_p90_ms"] <= 40
+        assert t["gpus"] >= rec["gpus"]
+    # a TP4 worker takes twice as long over a prompt: 8 jobs queued in one behind a long prompt wait
+    # while another worker frees up, so it needs more of them than one that leaves them in the queue
+    assert found[(tp4.stem, 8)]["gpus"] > found[(tp4.stem, 2)]["gpus"]
+    assert "GPUs" in proc.stdout and "jobs a prefill worker" in proc.stdout

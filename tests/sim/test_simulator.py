@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -290,6 +291,22 @@ def test_simulate_cli_json_to_stdout():
     assert math.isfinite(s["sim"]["requests_per_wall_s"])
 
 
+def test_simulate_cli_runs_the_prefill_pool_on_its_own_profile():
+    profiles = Path(__file__).parents[2] / "shared/sim/profiles"
+    args = [sys.executable, "-m", "services.cli", "simulate", "--workload", "long-doc", "--duration", "20",
+            "--request-rate", "2", "--profile", str(profiles / "roofline-llama3-70b-tp8-h100.json"),
+            "--prefill-profile", str(profiles / "roofline-llama3-70b-tp4-h100.json"), "--prefill", "3",
+            "--decode", "1", "--prefill-max-inflight", "2", "--kv-path", "network"]
+    proc = subprocess.run(args + ["--json", "-"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    (run,) = json.loads(proc.stdout)["runs"]
+    s = run["summary"]
+    assert s["completed"] == s["sent"] > 0 and s["per_gpu"]["gpus"] == pytest.approx(3 * 4 + 8)
+    assert "prefill (on " in proc.stderr
+    proc = subprocess.run(args + ["--mode", "colocated"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "no prefill profile of its own" in proc.stderr
+
+
 class Scripted:
     """A scaler that follows a fixed schedule of (from time, prefill, decode)."""
 
@@ -423,3 +440,31 @@ def test_the_kv_handoff_delays_the_first_decode_step():
     later.run(list(req))
     assert later.rec.first_s == base.rec.first_s
     assert later.rec.finish_s[0] == pytest.approx(base.rec.finish_s[0] + 0.05)
+
+
+def test_a_prefill_pool_on_a_profile_of_its_own():
+    """The prefill pool on another tensor-parallel group: its steps and KV writes are timed by its own
+    profile, its GPUs counted at its own size; the decode pool keeps the main profile's."""
+    slow = replace(PROFILE, prefill=replace(PROFILE.prefill, per_token_s=2e-3),
+                   transfer={"shm": TransferFit(LinearFit(0.03, 1e-10), LinearFit(1e-3, 1e-10))},
+                   limits=replace(PROFILE.limits, gpus_per_worker=2))
+    req = [SimRequest(0.0, 200, 5)]
+    base = Cluster(PROFILE, ClusterConfig())
+    base.run(list(req))
+    split = Cluster(PROFILE, ClusterConfig(), prefill_profile=slow)
+    split.run(list(req))
+    split.check_invariants(final=True)
+    ttft = base.rec.first_s[0]
+    assert split.rec.first_s[0] == pytest.approx(ttft + 200 * 1e-3)  # the one prefill step: 200 tokens, 1 ms more each
+    # the decode worker waits for the slower write (30 ms more), then decodes as before
+    assert split.rec.finish_s[0] - split.rec.first_s[0] == pytest.approx(base.rec.finish_s[0] - ttft + 0.029)
+    report = split.report()
+    assert report["cost"]["prefill"]["gpu_s"] == pytest.approx(2 * report["cost"]["decode"]["gpu_s"])
+    assert report["per_gpu"]["gpus"] == pytest.approx(3) and base.report()["per_gpu"]["gpus"] == pytest.approx(2)
+    reqs = _requests()
+    s = simulate(PROFILE, ClusterConfig(prefill=2, decode=2), reqs, prefill_profile=slow, check=True)
+    assert s["completed"] == len(reqs) and s["per_gpu"]["gpus"] == pytest.approx(6)
+    with pytest.raises(ValueError, match="not the same model"):
+        Cluster(PROFILE, ClusterConfig(), prefill_profile=replace(slow, limits=replace(slow.limits, block_size=32)))
+    with pytest.raises(ValueError, match="colocated"):
+        Cluster(PROFILE, ClusterConfig(mode="colocated"), prefill_profile=slow)
