@@ -289,6 +289,11 @@ class KVStoreService:
                     data = encode(KVReadChunk(slot=slot, offset=offset, data=self.memory.view(slot, offset, n),
                                               last=last))
                     await self.nc.publish(msg.reply, data)
+                    # let nats-py's flusher write this chunk now. Queued all at once, a read's chunks
+                    # go out as one write of the whole read (tens of MB): asyncio (3.11) buffers what
+                    # the socket does not take and moves the rest down after every send, which cost
+                    # a third of a 17 MB read's time (59 ms against 40 with this)
+                    await asyncio.sleep(0)
         except Exception as exc:
             log.warning("kvstore %s: read of %d slots broke off: %s", self.store, len(req.slots), exc)
 
