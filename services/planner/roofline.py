@@ -5,7 +5,10 @@
               at `mfu` of peak; plus one read of the weights a step
     decode    bandwidth-bound: the weights once a step, each sequence's KV once a step, at `mbu`
               of peak bandwidth; plus 2·params FLOPs per sequence at `decode_mfu`
-    transfer  a fixed latency + bytes ÷ link bandwidth (same host: `shm_gbps`; other host: `net_gbps`)
+    transfer  a fixed latency + bytes ÷ link bandwidth, per GPU times the worker's GPUs (same host:
+              `shm_gbps`; other host: `net_gbps`): each GPU of an HGX/DGX H100 has its own PCIe
+              link and its own 400 Gb/s NIC, and a KV transfer engine (Mooncake's, NIXL) uses them
+              all
     tensor    a worker of `gpus` > 1 GPUs (Megatron-style tensor parallel) all-reduces its activations
     parallel  twice a layer (after attention, after the MLP): each costs `allreduce_latency_s` plus, for
               a ring, 2·(g − 1)/g of the tokens' bytes (hidden × 2 a token) over `allreduce_busbw`
@@ -42,8 +45,10 @@ class RooflineSpec:
     decode_mfu: float = 0.3
     mbu: float = 0.7
     step_overhead_s: float = 0.002  # scheduling, launch, sampling per step
-    shm_gbps: float = 50.0  # GB/s within a host (pinned memory / NVLink)
-    net_gbps: float = 25.0  # GB/s between hosts (a 200 Gb/s NIC)
+    shm_gbps: float = 50.0  # GB/s a GPU within a host (PCIe Gen5 x16 to pinned host memory)
+    # GB/s a GPU between hosts: one 400 Gb/s NIC a GPU, at what Mooncake's transfer engine reached over
+    # 8 of them (190 GB/s: Qin et al., 2024), ~half the line rate
+    net_gbps: float = 23.75
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     prefill_max_inflight: int = 8
@@ -90,7 +95,7 @@ def roofline_profile(spec: RooflineSpec) -> Profile:
                        per_ctx_token_s=spec.kv_bytes_per_token / (bw * spec.mbu))
     kv_blocks = int((hbm * 0.9 - spec.weight_bytes) / block_bytes)
     transfer = {path: TransferFit(LinearFit(1e-3, 1 / (gbps * 1e9)), LinearFit(1e-3, 1 / (gbps * 1e9)))
-                for path, gbps in (("shm", spec.shm_gbps), ("network", spec.net_gbps))}
+                for path, gbps in (("shm", spec.shm_gbps * spec.gpus), ("network", spec.net_gbps * spec.gpus))}
     limits = EngineLimits(max_num_batched_tokens=spec.max_num_batched_tokens, max_num_seqs=spec.max_num_seqs,
                           num_kv_blocks=kv_blocks, prefill_max_inflight=spec.prefill_max_inflight,
                           kv_bytes_per_block=block_bytes, kvstore_slots=spec.kvstore_slots, gpus_per_worker=spec.gpus)

@@ -92,7 +92,7 @@ def test_the_search_starts_where_the_profile_sizer_points_and_finds_what_a_blind
         t = planner.plan_disaggregated(None)
         found[seeded] = ((t.config.prefill, t.config.decode), len(planner.trials))
     assert found[True][0] == found[False][0]
-    assert found[True][1] * 2 <= found[False][1], found  # here 7 simulations against 16, both finding 17 : 5
+    assert found[True][1] * 2 <= found[False][1], found  # here 6 simulations against 13, both finding 16 : 3
 
 
 def test_plan_tries_the_prefill_pool_on_another_tensor_parallel_group_and_ranks_by_gpus(tmp_path):
