@@ -124,7 +124,8 @@ class Planner:
         self.prefill_profiles = dict(prefill_profiles or {})
         self.slo_tpot_ms = slo_tpot_ms if slo_tpot_ms is not None else spec.slo_itl_p90_ms
         self.trials: dict[tuple[ClusterConfig, str | None], Trial] = {}
-        self.sized: dict[str, Any] | None = None  # what the profile sizer said, where the search started
+        # what the profile sizer said, where each search started: by (prefill profile, jobs at once)
+        self.sized: dict[tuple[str | None, int | None], dict[str, Any]] = {}
 
     def trial(self, config: ClusterConfig, prefill_profile: str | None = None) -> Trial:
         key = (config, prefill_profile)
@@ -229,7 +230,8 @@ class Planner:
                              min(self.slo_tpot_ms, spec.slo_itl_p90_ms / tau) / 1e3, pct, spec.kv_path)
         rate = len(reqs) / span
         p, d = sizer.workers(0, rate, mix), sizer.workers(1, rate, mix)
-        self.sized = {"prefill": p, "decode": d, "rate": rate, "mix": mix.__dict__, "prefill_profile": prefill_profile}
+        self.sized[prefill_profile, roomy.prefill_max_inflight] = {"prefill": p, "decode": d, "rate": rate,
+                                                                   "mix": mix.__dict__}
         return p, d
 
     def plan_single_pool(self, mode: str, chunk: int | None) -> Trial | None:
@@ -259,7 +261,9 @@ class Planner:
         return {"slo": {"ttft_p90_ms": self.spec.slo_ttft_p90_ms, "itl_p90_ms": self.spec.slo_itl_p90_ms},
                 "budget": self.spec.budget, "recommended": best[0].to_json() if best else None,
                 "runner_ups": [t.to_json() | {"why": f"{t.gpus - best[0].gpus:g} more GPUs"} for t in best[1:]],
-                "rejected": rejected[:20], "simulations": len(self.trials), "profile_sizer": self.sized}
+                "rejected": rejected[:20], "simulations": len(self.trials),
+                "profile_sizer": self.sized.get((best[0].prefill_profile, best[0].config.prefill_max_inflight))
+                if best else None}
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
