@@ -150,7 +150,7 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
         found, on = _search(planner, spec, max_workers, colocated_chunks)
     search_wall = time.perf_counter() - t0
     scalers: dict[str, ForecastScaler] = {}
-    if found["planned"] is not None:  # the planned split, resized through the hour
+    if found.get("planned") is not None:  # the planned split, resized through the hour
         p = found["planned"]
         cap = Capacity.from_plan(len(search) / search_s, p.prefill, p.decode)
         # it starts as the planned fleet (sized for the peak) and follows the arrivals from there
