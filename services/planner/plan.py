@@ -9,8 +9,9 @@ prefill pool's doing, ITL the decode pool's — so each pool is sized on its own
     3. (P_min, D_min) together; while an SLO is missed, grow the pool that misses it
     4. colocated (and conditional, if asked): the fewest workers meeting both, per chunk budget
 
-The prefill pool may also be tried on other profiles of the same model (`--prefill-profile`: another
-tensor-parallel group, say); each is a search of its own, and configurations are ranked by GPUs.
+Each pool may also be tried on other profiles of the same model (`--prefill-profile`,
+`--decode-profile`: another tensor-parallel group, say); each pairing is a search of its own, and
+configurations are ranked by GPUs.
 
 Each count is found by bisection (the SLO metrics fall as a pool grows), bracketed by steps that
 double away from where the profile sizer (forecast.ProfileSizer: queueing models of the two pools,
@@ -74,6 +75,7 @@ class Trial:
 
     prefill_profile: str | None = None  # the prefill pool's own profile (by name), None: the main one
     tpot_p90_ms: float = 0.0
+    decode_profile: str | None = None  # the decode pool's, likewise
 
     @property
     def workers(self) -> int:
@@ -107,7 +109,8 @@ class Trial:
     def to_json(self) -> dict[str, Any]:
         c = self.config
         return {"mode": c.mode, "prefill": c.prefill if c.mode != "colocated" else 0, "decode": c.decode,
-                "prefill_profile": self.prefill_profile, "prefill_inflight": c.prefill_max_inflight,
+                "prefill_profile": self.prefill_profile, "decode_profile": self.decode_profile,
+                "prefill_inflight": c.prefill_max_inflight,
                 "workers": self.workers, "gpus": self.gpus, "chunk_budget": c.max_num_batched_tokens,
                 "ttft_p90_ms": self.ttft_p90_ms, "tpot_p90_ms": self.tpot_p90_ms,
                 "itl_p90_ms": self.itl_p90_ms, "request_goodput": self.goodput,
@@ -116,23 +119,33 @@ class Trial:
 
 class Planner:
     """Runs and remembers simulations of one workload (`arrivals()` gives a fresh request list).
-    `prefill_profiles`: other profiles the prefill pool may run on, by name (the same model's KV)."""
+    `prefill_profiles`, `decode_profiles`: other profiles that pool may run on, by name (the same
+    model's KV); None in a pairing below is the main profile (`profile`), which colocated runs on."""
 
     def __init__(self, profile: Profile, spec: PlanSpec, arrivals: Callable[[], list], slo_tpot_ms: float | None = None,
-                 prefill_profiles: Mapping[str, Profile] | None = None):
+                 prefill_profiles: Mapping[str, Profile] | None = None,
+                 decode_profiles: Mapping[str, Profile] | None = None):
         self.profile, self.spec, self.arrivals = profile, spec, arrivals
         self.prefill_profiles = dict(prefill_profiles or {})
+        self.decode_profiles = dict(decode_profiles or {})
         self.slo_tpot_ms = slo_tpot_ms if slo_tpot_ms is not None else spec.slo_itl_p90_ms
-        self.trials: dict[tuple[ClusterConfig, str | None], Trial] = {}
-        # what the profile sizer said, where each search started: by (prefill profile, jobs at once)
-        self.sized: dict[tuple[str | None, int | None], dict[str, Any]] = {}
+        self.trials: dict[tuple[ClusterConfig, str | None, str | None], Trial] = {}
+        # what the profile sizer said, where each search started: by (prefill profile, decode profile, jobs at once)
+        self.sized: dict[tuple[str | None, str | None, int | None], dict[str, Any]] = {}
 
-    def trial(self, config: ClusterConfig, prefill_profile: str | None = None) -> Trial:
-        key = (config, prefill_profile)
+    def pairings(self) -> list[tuple[str | None, str | None]]:
+        """(prefill profile, decode profile) of each disaggregated search, by name (None: the main one)."""
+        return [(pp, dp) for pp in (None, *self.prefill_profiles) for dp in (None, *self.decode_profiles)]
+
+    def trial(self, config: ClusterConfig, prefill_profile: str | None = None,
+              decode_profile: str | None = None) -> Trial:
+        key = (config, prefill_profile, decode_profile)
         if key not in self.trials:
-            s = simulate(self.profile, config, self.arrivals(), slo_ttft_ms=self.spec.slo_ttft_p90_ms,
-                         slo_tpot_ms=self.slo_tpot_ms,
-                         prefill_profile=self.prefill_profiles[prefill_profile] if prefill_profile else None)
+            # the simulator's main profile is the decode pool's; the prefill pool's is given apart
+            s = simulate(self.decode_profiles[decode_profile] if decode_profile else self.profile, config,
+                         self.arrivals(), slo_ttft_ms=self.spec.slo_ttft_p90_ms, slo_tpot_ms=self.slo_tpot_ms,
+                         prefill_profile=self.prefill_profiles[prefill_profile] if prefill_profile else
+                         self.profile if decode_profile else None)
             ttft = s["ttft_ms"]["p90"] if s["ttft_ms"] else float("inf")
             itl = s["itl_ms"]["p90"] if s["itl_ms"] else 0.0
             spec = self.spec
@@ -146,19 +159,21 @@ class Planner:
                 att, a = s["slo_attainment"], spec.attainment_pct
                 ok = (att["ttft_pct"] >= a, att["tpot_pct"] >= a, s["goodput"]["attainment_pct"] >= a)
             self.trials[key] = Trial(config, ttft, itl, s["goodput"]["request_goodput"], s, *ok,
-                                     prefill_profile=prefill_profile, tpot_p90_ms=tpot)
-            log.info("%s P%d%s D%d chunk %s inflight %s: TTFT p90 %.0f ms, ITL p90 %.1f ms", config.mode,
+                                     prefill_profile=prefill_profile, tpot_p90_ms=tpot, decode_profile=decode_profile)
+            log.info("%s P%d%s D%d%s chunk %s inflight %s: TTFT p90 %.0f ms, ITL p90 %.1f ms", config.mode,
                      config.prefill, f" ({prefill_profile})" if prefill_profile else "", config.decode,
-                     config.max_num_batched_tokens, config.prefill_max_inflight, ttft, itl)
+                     f" ({decode_profile})" if decode_profile else "", config.max_num_batched_tokens,
+                     config.prefill_max_inflight, ttft, itl)
         return self.trials[key]
 
     def smallest(self, make: Callable[[int], ClusterConfig], ok: Callable[[Trial], bool], hi: int,
-                 guess: int | None = None, prefill_profile: str | None = None) -> int | None:
+                 guess: int | None = None, prefill_profile: str | None = None,
+                 decode_profile: str | None = None) -> int | None:
         """The least n in [1, hi] with ok(trial(make(n))), assuming ok is monotone in n: from 1 by
         doubling, or from `guess` by steps that double away from it (a good guess: two or three
         simulations), then bisection."""
         def trial(c: ClusterConfig) -> Trial:
-            return self.trial(c, prefill_profile)
+            return self.trial(c, prefill_profile, decode_profile)
 
         if guess is None:
             lo, n = 0, 1
@@ -193,20 +208,20 @@ class Planner:
         return n
 
     def plan_disaggregated(self, chunk: int | None, prefill_profile: str | None = None,
-                           inflight: int | None = None) -> Trial | None:
-        spec, pp = self.spec, prefill_profile
+                           inflight: int | None = None, decode_profile: str | None = None) -> Trial | None:
+        spec, pools = self.spec, (prefill_profile, decode_profile)
         base = ClusterConfig(mode="disaggregated", kv_path=spec.kv_path, max_num_batched_tokens=chunk,
                              prefill_max_inflight=inflight)
         big = max(1, spec.budget - 1)
-        guess = self.guess(replace(base, prefill=big, decode=big), pp)
+        guess = self.guess(replace(base, prefill=big, decode=big), *pools)
         p = self.smallest(lambda n: replace(base, prefill=n, decode=big),
-                          lambda t: t.ttft_ok, big, guess[0], pp)
+                          lambda t: t.ttft_ok, big, guess[0], *pools)
         d = self.smallest(lambda n: replace(base, prefill=big, decode=n),
-                          lambda t: t.itl_ok, big, guess[1], pp)
+                          lambda t: t.itl_ok, big, guess[1], *pools)
         if p is None or d is None:
             return None
         while p + d <= spec.budget:
-            t = self.trial(replace(base, prefill=p, decode=d), pp)
+            t = self.trial(replace(base, prefill=p, decode=d), *pools)
             if t.meets(spec):
                 return t
             if not t.ttft_ok or t.itl_ok:  # (both met separately, not together: grow prefill first)
@@ -215,23 +230,25 @@ class Planner:
                 d += max(1, d // 20)
         return None
 
-    def guess(self, roomy: ClusterConfig, prefill_profile: str | None = None) -> tuple[int | None, int | None]:
+    def guess(self, roomy: ClusterConfig, prefill_profile: str | None = None,
+              decode_profile: str | None = None) -> tuple[int | None, int | None]:
         """Where to start looking: what the profile sizer (forecast.ProfileSizer) says each pool needs
         for this load's rate and mix, the mix measured on `roomy` (pools too big to queue; the prefill
-        seconds a request, so, on the prefill pool's own profile)."""
+        seconds a request, so, on the prefill pool's own profile; decode by the decode pool's)."""
         reqs = self.arrivals()
         span = max(r.arrival_s for r in reqs) - min(r.arrival_s for r in reqs)
-        mix = Mix.of(Load(**self.trial(roomy, prefill_profile).summary["sim"]["load"]))
+        mix = Mix.of(Load(**self.trial(roomy, prefill_profile, decode_profile).summary["sim"]["load"]))
         if mix is None or span <= 0:
             return None, None
-        spec, tau = self.spec, self.profile.tokens_per_event
+        decode = self.decode_profiles[decode_profile] if decode_profile else self.profile
+        spec, tau = self.spec, decode.tokens_per_event
         pct = spec.attainment_pct / 100 if spec.attainment_pct is not None else 0.9
-        sizer = ProfileSizer(self.profile, spec.slo_ttft_p90_ms / 1e3,
+        sizer = ProfileSizer(decode, spec.slo_ttft_p90_ms / 1e3,
                              min(self.slo_tpot_ms, spec.slo_itl_p90_ms / tau) / 1e3, pct, spec.kv_path)
         rate = len(reqs) / span
         p, d = sizer.workers(0, rate, mix), sizer.workers(1, rate, mix)
-        self.sized[prefill_profile, roomy.prefill_max_inflight] = {"prefill": p, "decode": d, "rate": rate,
-                                                                   "mix": mix.__dict__}
+        self.sized[prefill_profile, decode_profile, roomy.prefill_max_inflight] = {
+            "prefill": p, "decode": d, "rate": rate, "mix": mix.__dict__}
         return p, d
 
     def plan_single_pool(self, mode: str, chunk: int | None) -> Trial | None:
@@ -248,7 +265,7 @@ class Planner:
         for chunk in self.spec.chunk_budgets:
             for mode in self.spec.modes:
                 if mode == "disaggregated":
-                    found = [self.plan_disaggregated(chunk, pp, inflight) for pp in (None, *self.prefill_profiles)
+                    found = [self.plan_disaggregated(chunk, pp, inflight, dp) for pp, dp in self.pairings()
                              for inflight in self.spec.prefill_inflights]
                 else:
                     found = [self.plan_single_pool(mode, chunk)]
@@ -262,8 +279,8 @@ class Planner:
                 "budget": self.spec.budget, "recommended": best[0].to_json() if best else None,
                 "runner_ups": [t.to_json() | {"why": f"{t.gpus - best[0].gpus:g} more GPUs"} for t in best[1:]],
                 "rejected": rejected[:20], "simulations": len(self.trials),
-                "profile_sizer": self.sized.get((best[0].prefill_profile, best[0].config.prefill_max_inflight))
-                if best else None}
+                "profile_sizer": self.sized.get((best[0].prefill_profile, best[0].decode_profile,
+                                                 best[0].config.prefill_max_inflight)) if best else None}
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -274,6 +291,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-profile", action="append", default=[], metavar="FILE",
                    help="another profile of the same model the prefill pool may run on (another tensor-parallel "
                         "group): each is searched too, and the configurations ranked by GPUs (repeatable)")
+    p.add_argument("--decode-profile", action="append", default=[], metavar="FILE",
+                   help="likewise for the decode pool (--profile is the one colocated workers run on); every "
+                        "pairing with the prefill pool's profiles is searched (repeatable)")
     p.add_argument("--slo-ttft-p90-ms", type=float, required=True)
     p.add_argument("--slo-itl-p90-ms", type=float, required=True)
     p.add_argument("--budget", type=int, required=True, help="workers at most (answers are ranked by GPUs)")
@@ -296,7 +316,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     prefill_inflights=inflights)
     reqs = request_list(args)
     prefill_profiles = {Path(f).stem: load_profile(f) for f in args.prefill_profile}
-    result = Planner(profile, spec, lambda: [replace(r) for r in reqs], args.slo_tpot_ms, prefill_profiles).plan()
+    decode_profiles = {Path(f).stem: load_profile(f) for f in args.decode_profile}
+    result = Planner(profile, spec, lambda: [replace(r) for r in reqs], args.slo_tpot_ms, prefill_profiles,
+                     decode_profiles).plan()
     rec = result["recommended"]
     lines = [f"pdserve plan: {len(reqs)} requests, SLOs TTFT p90 <= {spec.slo_ttft_p90_ms:g} ms, "
              f"ITL p90 <= {spec.slo_itl_p90_ms:g} ms, budget {spec.budget} workers ({result['simulations']} simulations)"]
@@ -333,7 +355,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _describe(t: dict[str, Any]) -> str:
     on = f" ({t['prefill_profile']})" if t.get("prefill_profile") else ""
-    pools = f"{t['prefill']} prefill{on} + {t['decode']} decode" if t["mode"] != "colocated" else f"{t['decode']} workers"
+    on_d = f" ({t['decode_profile']})" if t.get("decode_profile") else ""
+    pools = (f"{t['prefill']} prefill{on} + {t['decode']} decode{on_d}" if t["mode"] != "colocated"
+             else f"{t['decode']} workers")
     chunk = f", chunk {t['chunk_budget']}" if t["chunk_budget"] else ""
     chunk += f", {t['prefill_inflight']} jobs a prefill worker" if t.get("prefill_inflight") else ""
     return (f"{t['mode']} {pools}{chunk}, {t['gpus']:g} GPUs: TTFT p90 {t['ttft_p90_ms']:.0f} ms, "

@@ -4,8 +4,9 @@ each one's goodput per GPU?
 
     planned      `pdserve plan`'s search: prefill and decode pools sized apart, for the peak; with
                  `--prefill-profile` the prefill pool may also run on another tensor-parallel group
-                 (the same model on TP4 instead of TP8), and with `--prefill-inflights` on another
-                 number of jobs a prefill worker takes at once: the fewest GPUs wins
+                 (the same model on TP4 instead of TP8), with `--decode-profile` the decode pool too,
+                 and with `--prefill-inflights` on another number of jobs a prefill worker takes at
+                 once: the fewest GPUs wins
     planned, scaled over the hour
                  the same split, resized every minute by the forecast planner (services/planner/
                  forecast.py): each pool's capacity per worker from the planned configuration at
@@ -80,16 +81,19 @@ def busiest(requests: list, window_s: float) -> list:
     return [replace(r, arrival_s=r.arrival_s - start) for r in requests[best[0]:best[1]]]
 
 
+Pools = tuple[str | None, str | None]  # the profiles (by name) a configuration's prefill and decode pools run on
+
+
 def _search(planner: Planner, spec: PlanSpec, max_workers: int,
-            colocated_chunks: tuple[int, ...]) -> tuple[dict[str, ClusterConfig | None], dict[str, str | None]]:
-    """The configurations by name, and the prefill profile each one's prefill pool runs on (by name)."""
+            colocated_chunks: tuple[int, ...]) -> tuple[dict[str, ClusterConfig | None], dict[str, Pools]]:
+    """The configurations by name, and the profiles each one's pools run on (None: the main one)."""
     found: dict[str, ClusterConfig | None] = {}
-    on: dict[str, str | None] = {}
-    tried = [planner.plan_disaggregated(None, pp, inflight) for pp in (None, *planner.prefill_profiles)
+    on: dict[str, Pools] = {}
+    tried = [planner.plan_disaggregated(None, pp, inflight, dp) for pp, dp in planner.pairings()
              for inflight in spec.prefill_inflights]
     planned = min((t for t in tried if t is not None), key=lambda t: t.gpus, default=None)
     found["planned"] = planned.config if planned else None
-    on["planned"] = planned.prefill_profile if planned else None
+    on["planned"] = (planned.prefill_profile, planned.decode_profile) if planned else (None, None)
     # the baseline: equal pools on the main profile, each worker taking the profile's number of jobs at
     # once, and (where the planned split takes another) with the planned split's number too
     inflights = [None] + ([planned.config.prefill_max_inflight] if planned and
@@ -123,38 +127,44 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
               colocated_chunks: tuple[int, ...] = (512, 1024, 2048), interval_s: float = 60.0,
               startup_s: float = 120.0, headroom: float = 0.1,
               variants: tuple[tuple[float, float], ...] = (), configs_from: dict[str, Any] | None = None,
-              prefill_profiles: tuple[str, ...] = (), prefill_inflights: tuple[int | None, ...] = (None,)
-              ) -> dict[str, Any]:
+              prefill_profiles: tuple[str, ...] = (), prefill_inflights: tuple[int | None, ...] = (None,),
+              decode_profiles: tuple[str, ...] = ()) -> dict[str, Any]:
     """`variants`: more (headroom, startup_s) pairs for the scaled fleet, each a row of its own.
     `configs_from`: an earlier result of the study: its configurations are simulated again without
     the searches (for a change to the scaled fleet's policy, which the searches do not depend on).
-    `prefill_profiles`: files of the same model on other tensor-parallel groups, which the planned
-    split's prefill pool may run on; `prefill_inflights`: the jobs a prefill worker takes at once
-    that its search tries (None: the profile's)."""
+    `prefill_profiles`, `decode_profiles`: files of the same model on other tensor-parallel groups,
+    which the planned split's prefill (decode) pool may run on; `prefill_inflights`: the jobs a
+    prefill worker takes at once that its search tries (None: the profile's)."""
     profile = load_profile(profile_path)
-    pools = {Path(f).stem: load_profile(f) for f in prefill_profiles}
+    pools = {Path(f).stem: load_profile(f) for f in (*prefill_profiles, *decode_profiles)}
     full = trace(rate, duration_s, seed)
     search = busiest(full, search_s)
     spec = PlanSpec(slo_ttft_ms, slo_tpot_ms, max_workers, modes=("disaggregated",), kv_path="network",
                     attainment_pct=attainment, prefill_inflights=prefill_inflights)
-    planner = Planner(profile, spec, lambda: [replace(r) for r in search], slo_tpot_ms, pools)
+    planner = Planner(profile, spec, lambda: [replace(r) for r in search], slo_tpot_ms,
+                      {Path(f).stem: pools[Path(f).stem] for f in prefill_profiles},
+                      {Path(f).stem: pools[Path(f).stem] for f in decode_profiles})
     t0 = time.perf_counter()
     if configs_from is not None:
         found = {name: _config(name, row) for name, row in configs_from["rows"].items()
                  if not name.startswith("planned, scaled")}
-        on = {name: row.get("prefill_profile") for name, row in configs_from["rows"].items() if row}
-        missing = {pp for pp in on.values() if pp} - set(pools)
+        on = {name: (row.get("prefill_profile"), row.get("decode_profile"))
+              for name, row in configs_from["rows"].items() if row}
+        missing = {p for pair in on.values() for p in pair if p} - set(pools)
         if missing:
-            raise ValueError(f"the earlier result's prefill pool ran on {sorted(missing)}: give --prefill-profile for it")
+            raise ValueError(f"the earlier result's pools ran on {sorted(missing)}: give --prefill-profile / "
+                             "--decode-profile for them")
     else:
         found, on = _search(planner, spec, max_workers, colocated_chunks)
     search_wall = time.perf_counter() - t0
     scalers: dict[str, ForecastScaler] = {}
     if found.get("planned") is not None:  # the planned split, resized through the hour
-        p = found["planned"]
+        p, (_, dp) = found["planned"], on["planned"]
         cap = Capacity.from_plan(len(search) / search_s, p.prefill, p.decode)
-        # it starts as the planned fleet (sized for the peak) and follows the arrivals from there
-        sized = ProfileSizer(profile, slo_ttft_ms / 1e3, slo_tpot_ms / 1e3, attainment / 100, kv_path="network")
+        # it starts as the planned fleet (sized for the peak) and follows the arrivals from there; the
+        # profile sizer prices decode on the decode pool's profile (prefill: by the mix's measured seconds)
+        sized = ProfileSizer(pools[dp] if dp else profile, slo_ttft_ms / 1e3, slo_tpot_ms / 1e3, attainment / 100,
+                             kv_path="network")
         runs = [("planned, scaled over the hour", cap, headroom, startup_s),
                 ("planned, scaled over the hour, sized from the profile", sized, headroom, startup_s)]
         runs += [(f"planned, scaled over the hour (headroom {room:g}, startup {startup:g} s)", cap, room, startup)
@@ -171,17 +181,19 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
             rows[name] = None
             continue
         scaler = scalers.get(name)
-        pp = on.get(name)
-        s = simulate(profile, config, [replace(r) for r in full], slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
-                     scaler=scaler, prefill_profile=pools[pp] if pp else None)
+        pp, dp = on.get(name, (None, None))
+        # the simulator's main profile is the decode pool's (and colocated's); the prefill pool's apart
+        s = simulate(pools[dp] if dp else profile, config, [replace(r) for r in full], slo_ttft_ms=slo_ttft_ms,
+                     slo_tpot_ms=slo_tpot_ms, scaler=scaler,
+                     prefill_profile=pools[pp] if pp else profile if dp else None)
         gpus = s["per_gpu"]["gpus"]  # a scaled fleet: the mean over the run
         cost = {k: v for k, v in s["cost"].items() if "workers" in v}
         gpw = {"prefill": (pools[pp] if pp else profile).limits.gpus_per_worker}
+        main_gpw = (pools[dp] if dp else profile).limits.gpus_per_worker
         rows[name] = {"prefill": round(cost.get("prefill", {}).get("workers", 0), 2),  # a scaled fleet: means
                       "decode": round((cost.get("decode") or cost["colocated"])["workers"], 2),
-                      "prefill_profile": pp, "prefill_inflight": config.prefill_max_inflight,
-                      "max_gpus": sum(v["max_workers"] * gpw.get(k, profile.limits.gpus_per_worker)
-                                      for k, v in cost.items()),
+                      "prefill_profile": pp, "decode_profile": dp, "prefill_inflight": config.prefill_max_inflight,
+                      "max_gpus": sum(v["max_workers"] * gpw.get(k, main_gpw) for k, v in cost.items()),
                       "scaling": {"interval_s": interval_s, "startup_s": scaler.startup_s,
                                   "headroom": scaler.headroom,
                                   **scaler.sizer.describe(),
@@ -228,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-profile", action="append", default=[], metavar="FILE",
                    help="the same model on another tensor-parallel group: the planned prefill pool may run on it "
                         "(repeatable)")
+    p.add_argument("--decode-profile", action="append", default=[], metavar="FILE",
+                   help="likewise for the planned split's decode pool (repeatable)")
     p.add_argument("--prefill-inflights", default="",
                    help="comma list of jobs a prefill worker takes at once, for the planned split's search "
                         "(default: the profile's)")
@@ -241,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                        headroom=args.headroom,
                        variants=tuple(tuple(float(x) for x in v.split(":")) for v in args.variant),
                        configs_from=json.loads(Path(args.configs_from).read_text()) if args.configs_from else None,
-                       prefill_profiles=tuple(args.prefill_profile),
+                       prefill_profiles=tuple(args.prefill_profile), decode_profiles=tuple(args.decode_profile),
                        prefill_inflights=tuple(int(x) for x in args.prefill_inflights.split(",") if x.strip())
                        or (None,))
     print(json.dumps(result["rows"], indent=1))

@@ -88,7 +88,7 @@ def test_the_search_starts_where_the_profile_sizer_points_and_finds_what_a_blind
     for seeded in (True, False):
         planner = Planner(load_profile(ROOFLINE), spec, lambda: [replace(r) for r in reqs])
         if not seeded:
-            planner.guess = lambda roomy, prefill_profile=None: (None, None)
+            planner.guess = lambda roomy, *pools: (None, None)
         t = planner.plan_disaggregated(None)
         found[seeded] = ((t.config.prefill, t.config.decode), len(planner.trials))
     assert found[True][0] == found[False][0]
@@ -127,3 +127,34 @@ def test_plan_tries_the_prefill_pool_on_another_tensor_parallel_group_and_ranks_
     # while another worker frees up, so it needs more of them than one that leaves them in the queue
     assert found[(tp4.stem, 8)]["gpus"] > found[(tp4.stem, 2)]["gpus"]
     assert "GPUs" in proc.stdout and "jobs a prefill worker" in proc.stdout
+
+
+def test_plan_pairs_each_pool_with_each_of_its_profiles(tmp_path):
+    """`--decode-profile` as well: every pairing of the prefill pool's profiles (TP8, TP4) with the
+    decode pool's (TP8, TP4) is a search of its own. On the roofline a TP8 decode worker carries more
+    streams per GPU within the TPOT SLO (the weights read once a step for more of them), so for either
+    prefill pool decode on TP4 costs more GPUs, and the answer is prefill on TP4, decode on TP8."""
+    from shared.sim.workload import mooncake_shaped_trace
+    from tests.planner.test_study import ROOFLINE
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(row) + "\n" for row in mooncake_shaped_trace(90.0, 40.0, seed=7)))
+    out = tmp_path / "plan.json"
+    tp4 = ROOFLINE.with_name("roofline-llama3-70b-tp4-h100.json")
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "plan", "--trace", str(trace), "--profile",
+                           str(ROOFLINE), "--prefill-profile", str(tp4), "--decode-profile", str(tp4),
+                           "--prefill-inflights", "2", "--slo-ttft-p90-ms", "4000", "--slo-itl-p90-ms", "40",
+                           "--budget", "120", "--modes", "disaggregated", "--kv-path", "network", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    rec = data["recommended"]
+    found = {(t["prefill_profile"], t["decode_profile"]): t for t in [rec] + data["runner_ups"]}
+    assert set(found) == {(None, None), (None, tp4.stem), (tp4.stem, None), (tp4.stem, tp4.stem)}
+    for (pp, dp), t in found.items():
+        assert t["gpus"] == pytest.approx(t["prefill"] * (4 if pp else 8) + t["decode"] * (4 if dp else 8))
+        assert t["ttft_p90_ms"] <= 4000 and t["itl_p90_ms"] <= 40 and t["tpot_p90_ms"] <= 40
+    for pp in (None, tp4.stem):
+        assert found[pp, tp4.stem]["decode"] * 4 > found[pp, None]["decode"] * 8
+    assert (rec["prefill_profile"], rec["decode_profile"]) == (tp4.stem, None)
+    assert f"decode ({tp4.stem})" in proc.stdout  # a runner-up's decode pool, named
