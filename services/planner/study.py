@@ -126,10 +126,11 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
               slo_tpot_ms: float, attainment: float, max_workers: int, seed: int = 0,
               colocated_chunks: tuple[int, ...] = (512, 1024, 2048), interval_s: float = 60.0,
               startup_s: float = 120.0, headroom: float = 0.1,
-              variants: tuple[tuple[float, float], ...] = (), configs_from: dict[str, Any] | None = None,
+              variants: tuple[tuple, ...] = (), configs_from: dict[str, Any] | None = None,
               prefill_profiles: tuple[str, ...] = (), prefill_inflights: tuple[int | None, ...] = (None,),
               decode_profiles: tuple[str, ...] = ()) -> dict[str, Any]:
-    """`variants`: more (headroom, startup_s) pairs for the scaled fleet, each a row of its own.
+    """`variants`: more (headroom, startup_s[, "capacity" | "profile"]) for the scaled fleet, each a row
+    of its own, sized by the planned split's capacity per worker (the default) or by the profile.
     `configs_from`: an earlier result of the study: its configurations are simulated again without
     the searches (for a change to the scaled fleet's policy, which the searches do not depend on).
     `prefill_profiles`, `decode_profiles`: files of the same model on other tensor-parallel groups,
@@ -167,8 +168,9 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
                              kv_path="network")
         runs = [("planned, scaled over the hour", cap, headroom, startup_s),
                 ("planned, scaled over the hour, sized from the profile", sized, headroom, startup_s)]
-        runs += [(f"planned, scaled over the hour (headroom {room:g}, startup {startup:g} s)", cap, room, startup)
-                 for room, startup in variants]
+        runs += [(f"planned, scaled over the hour{', sized from the profile' if how[0] == 'profile' else ''} "
+                  f"(headroom {room:g}, startup {startup:g} s)", sized if how[0] == "profile" else cap, room, startup)
+                 for room, startup, *how in ((*v, "capacity") for v in variants)]
         for name, sizer, room, startup in runs:
             scalers[name] = ForecastScaler(sizer, interval_s=interval_s, startup_s=startup, headroom=room,
                                            current=[p.prefill, p.decode], max_workers=(max_workers, max_workers),
@@ -197,7 +199,8 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
                       "scaling": {"interval_s": interval_s, "startup_s": scaler.startup_s,
                                   "headroom": scaler.headroom,
                                   **scaler.sizer.describe(),
-                                  "changes": s["scaling"]["changes"], "log": s["scaling"]["log"]} if scaler else None,
+                                  "changes": s["scaling"]["changes"], "log": s["scaling"]["log"],
+                                  "slo_by_window": s["scaling"].get("slo_by_window")} if scaler else None,
                       "chunk_budget": config.max_num_batched_tokens,
                       "gpus": gpus, "requests": s["sent"], "request_goodput": s["goodput"]["request_goodput"],
                       "goodput_per_gpu": s["goodput"]["request_goodput"] / gpus,
@@ -221,6 +224,13 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
             "searched": configs_from is None}
 
 
+def _variant(text: str) -> tuple:
+    room, startup, *how = text.split(":")
+    if how not in ([], ["capacity"], ["profile"]):
+        raise argparse.ArgumentTypeError(f"--variant {text}: the sizer is 'capacity' or 'profile'")
+    return (float(room), float(startup), *how)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.planner.study")
     p.add_argument("--profile", default=str(Path(__file__).parents[2] / "shared/sim/profiles/"
@@ -235,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=60.0, help="seconds between the scaled fleet's decisions")
     p.add_argument("--startup", type=float, default=120.0, help="seconds from adding a worker until it serves")
     p.add_argument("--headroom", type=float, default=0.1, help="capacity above the forecast")
-    p.add_argument("--variant", action="append", default=[], metavar="HEADROOM:STARTUP",
-                   help="another scaled fleet with this headroom and startup (repeatable)")
+    p.add_argument("--variant", action="append", default=[], metavar="HEADROOM:STARTUP[:profile]",
+                   help="another scaled fleet with this headroom and startup, sized by the planned capacity per "
+                        "worker or (':profile') from the profile (repeatable)")
     p.add_argument("--prefill-profile", action="append", default=[], metavar="FILE",
                    help="the same model on another tensor-parallel group: the planned prefill pool may run on it "
                         "(repeatable)")
@@ -253,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run_study(args.profile, args.rate, args.duration, args.search, args.slo_ttft_ms, args.slo_tpot_ms,
                        args.attainment, args.max_workers, interval_s=args.interval, startup_s=args.startup,
                        headroom=args.headroom,
-                       variants=tuple(tuple(float(x) for x in v.split(":")) for v in args.variant),
+                       variants=tuple(_variant(v) for v in args.variant),
                        configs_from=json.loads(Path(args.configs_from).read_text()) if args.configs_from else None,
                        prefill_profiles=tuple(args.prefill_profile), decode_profiles=tuple(args.decode_profile),
                        prefill_inflights=tuple(int(x) for x in args.prefill_inflights.split(",") if x.strip())

@@ -53,6 +53,7 @@ from shared.sim.workload import Load, SimRequest
 MODES = ("disaggregated", "colocated", "conditional")
 ARRIVE, STEP, KV_STORED, JOIN, RETRY, TICK, READY = range(7)
 RETRY_DELAY_S = 1.0  # a decode job that found no blocks is redelivered after this (nak delay)
+SLO_WINDOW_S = 300.0  # a scaled run reports its SLO attainment per this much of arrivals
 
 
 @dataclass(frozen=True)
@@ -618,6 +619,9 @@ class Cluster:
                               "request_goodput": good["request_goodput"] / gpus if good else None}
         if self.scaler is not None:
             summary["scaling"] = {"changes": len(self.scale_log), "log": [list(x) for x in self.scale_log]}
+            if slo_ttft_ms is not None and slo_tpot_ms is not None:  # where in the run the SLOs were missed
+                summary["scaling"]["slo_by_window"] = rec.by_window(SLO_WINDOW_S, self.profile.request_overhead_s,
+                                                                    slo_ttft_ms, slo_tpot_ms)
         return summary
 
     def _peak(self, role: str) -> int:

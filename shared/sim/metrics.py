@@ -206,6 +206,27 @@ class Recorder:
                                   for k in kinds}
         return summary
 
+    def by_window(self, window_s: float, overhead_s: float, slo_ttft_ms: float,
+                  slo_tpot_ms: float) -> list[list[float]]:
+        """[window start s, requests, % meeting TTFT, % meeting TPOT, % meeting both] per `window_s` of
+        arrivals: where in a run the misses are (a scaled fleet: as the load turns, say). A request
+        that did not finish meets neither."""
+        arrival, first, finish = (np.array(x) for x in (self.arrival, self.first_s, self.finish_s))
+        out = np.array(self.output)
+        done = finish >= 0
+        ttft_ok = done & ((first - arrival + overhead_s) * 1e3 <= slo_ttft_ms)
+        tpot = np.where(out > 1, (finish - first) / np.maximum(out - 1, 1), 0.0)
+        tpot_ok = done & (tpot * 1e3 <= slo_tpot_ms)
+        which = np.floor(arrival / window_s).astype(int)
+        rows = []
+        for w in range(int(which.max()) + 1 if which.size else 0):
+            m = which == w
+            n = int(m.sum())
+            if n:
+                rows.append([w * window_s, n, *(round(100.0 * float(ok[m].mean()), 3)
+                                                for ok in (ttft_ok, tpot_ok, ttft_ok & tpot_ok))])
+        return rows
+
     def _merged(self, kinds) -> ItlHistogram:
         h = ItlHistogram()
         for k in kinds:

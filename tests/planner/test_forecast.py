@@ -222,6 +222,12 @@ def test_a_change_of_mix_the_profile_sizer_follows_and_a_fixed_capacity_does_not
     chat_prefill = max(p for t, p, _ in log if 120 < t <= 300)
     assert min(p for t, p, _ in log if t > 330) > 2 * chat_prefill  # the pool follows the prompts
     assert met["chat"] >= 95.0 and met["settled"] >= 95.0, met
+    # where in the run the misses are: per 5 minutes of arrivals, adding up to the run's attainment
+    windows = sized["scaling"]["slo_by_window"]
+    assert [w[0] for w in windows] == [0.0, 300.0] and sum(w[1] for w in windows) == sized["sent"]
+    assert sum(w[1] * w[4] for w in windows) / sized["sent"] == pytest.approx(sized["goodput"]["attainment_pct"],
+                                                                              abs=0.01)
+    assert windows[0][4] >= 95.0 and windows[1][4] < windows[0][4], windows  # the documents' switch
     # what the chat minutes' fleet carried, as a fixed req/s per worker: the same forecast, the same
     # backlog term, and the documents never get the pool they need
     fixed, fixed_met = run(Capacity(30.0 / chat_prefill, 30.0 / max(d for t, _, d in log if 120 < t <= 300)))

@@ -32,6 +32,7 @@ def test_small_study_the_scaled_fleet_pays_for_less_than_the_peak_and_meets_the_
                                                                      planned["decode_profile"])
     assert scaled["max_gpus"] >= planned["gpus"] > scaled["gpus"]  # it starts at the peak's size, then shrinks
     assert scaled["scaling"]["changes"] > 2 and len({(p, d) for _, p, d in scaled["scaling"]["log"]}) > 2
+    assert sum(w[1] for w in scaled["scaling"]["slo_by_window"]) == scaled["requests"]  # where the misses are
     for row in (planned, scaled, static):
         assert row["attainment_pct"] >= 95.0, row  # both SLOs together, over the whole run
     ratios = r["goodput_per_gpu_ratios"]
