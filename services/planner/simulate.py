@@ -24,7 +24,7 @@ from typing import Any
 
 from services.bench.workloads import WORKLOADS, Workload, parse_range
 from services.planner.forecast import Capacity, ForecastScaler, ProfileSizer
-from shared.sim.cluster import MODES, ClosedLoop, ClusterConfig, simulate
+from shared.sim.cluster import MODES, SLO_WINDOW_S, ClosedLoop, ClusterConfig, simulate
 from shared.sim.cost import Profile, load_profile
 from shared.sim.workload import bench_request, poisson_requests, read_trace
 
@@ -207,6 +207,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             pools = ", ".join(f"{k} {c['workers']:.1f} on average (at most {c['max_workers']})"
                               for k, c in s["cost"].items() if "max_workers" in c)
             lines.append(f"resized {s['scaling']['changes']} times: {pools}")
+            windows = s["scaling"].get("slo_by_window")
+            if windows:  # where in the run the SLOs were missed (as the load turns, say)
+                worst = min(windows, key=lambda w: w[4])
+                lines.append(f"both SLOs met by {min(w[4] for w in windows):.1f}-{max(w[4] for w in windows):.1f}% "
+                             f"of each {SLO_WINDOW_S / 60:g} minutes' arrivals; the least from {worst[0]:.0f} s")
     if args.json == "-":
         print(text)
         print("\n".join(lines), file=sys.stderr)

@@ -359,12 +359,17 @@ def test_a_worker_removed_while_loading_never_serves():
 def test_simulate_cli_resizes_with_the_forecast_planner():
     proc = subprocess.run([sys.executable, "-m", "services.cli", "simulate", "--workload", "chat", "--duration", "120",
                            "--request-rate", "2", "--prefill", "1", "--decode", "1", "--scale-capacity", "0.5,0.5",
-                           "--scale-interval", "10", "--startup-s", "10", "--max-workers", "6", "--json", "-"],
+                           "--scale-interval", "10", "--startup-s", "10", "--max-workers", "6",
+                           "--slo-ttft-ms", "4000", "--slo-tpot-ms", "200", "--json", "-"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     s = json.loads(proc.stdout)["runs"][0]["summary"]
     assert s["completed"] == s["sent"] > 0
     assert s["scaling"]["changes"] >= 1 and "resized" in proc.stderr
+    # the SLOs per 5 minutes of arrivals: two minutes of them are one window
+    assert [w[:2] for w in s["scaling"]["slo_by_window"]] == [[0.0, s["sent"]]]
+    assert s["scaling"]["slo_by_window"][0][4] == pytest.approx(s["goodput"]["attainment_pct"], abs=1e-3)
+    assert "of each 5 minutes' arrivals" in proc.stderr
     assert max(p + d for _, p, d in s["scaling"]["log"]) <= 6  # 2 req/s ÷ 0.5 wants 4 + 4: the budget binds
     assert s["cost"]["prefill"]["max_workers"] > 1 and 1 < s["per_gpu"]["workers"] <= 6
 
