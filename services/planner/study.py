@@ -168,9 +168,10 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
                              kv_path="network")
         runs = [("planned, scaled over the hour", cap, headroom, startup_s),
                 ("planned, scaled over the hour, sized from the profile", sized, headroom, startup_s)]
-        runs += [(f"planned, scaled over the hour{', sized from the profile' if how[0] == 'profile' else ''} "
-                  f"(headroom {room:g}, startup {startup:g} s)", sized if how[0] == "profile" else cap, room, startup)
-                 for room, startup, *how in ((*v, "capacity") for v in variants)]
+        for room, startup, *how in variants:
+            by_profile = how == ["profile"]
+            runs.append((f"planned, scaled over the hour{', sized from the profile' if by_profile else ''} "
+                         f"(headroom {room:g}, startup {startup:g} s)", sized if by_profile else cap, room, startup))
         for name, sizer, room, startup in runs:
             scalers[name] = ForecastScaler(sizer, interval_s=interval_s, startup_s=startup, headroom=room,
                                            current=[p.prefill, p.decode], max_workers=(max_workers, max_workers),
@@ -225,10 +226,14 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
 
 
 def _variant(text: str) -> tuple:
-    room, startup, *how = text.split(":")
-    if how not in ([], ["capacity"], ["profile"]):
-        raise argparse.ArgumentTypeError(f"--variant {text}: the sizer is 'capacity' or 'profile'")
-    return (float(room), float(startup), *how)
+    """HEADROOM:STARTUP[:capacity|:profile] as (headroom, startup_s[, sizer])."""
+    try:
+        room, startup, *how = text.split(":")
+        if how not in ([], ["capacity"], ["profile"]):
+            raise ValueError
+        return (float(room), float(startup), *how)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: want HEADROOM:STARTUP, then :capacity or :profile") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=60.0, help="seconds between the scaled fleet's decisions")
     p.add_argument("--startup", type=float, default=120.0, help="seconds from adding a worker until it serves")
     p.add_argument("--headroom", type=float, default=0.1, help="capacity above the forecast")
-    p.add_argument("--variant", action="append", default=[], metavar="HEADROOM:STARTUP[:profile]",
+    p.add_argument("--variant", action="append", default=[], type=_variant, metavar="HEADROOM:STARTUP[:profile]",
                    help="another scaled fleet with this headroom and startup, sized by the planned capacity per "
                         "worker or (':profile') from the profile (repeatable)")
     p.add_argument("--prefill-profile", action="append", default=[], metavar="FILE",
@@ -264,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run_study(args.profile, args.rate, args.duration, args.search, args.slo_ttft_ms, args.slo_tpot_ms,
                        args.attainment, args.max_workers, interval_s=args.interval, startup_s=args.startup,
                        headroom=args.headroom,
-                       variants=tuple(_variant(v) for v in args.variant),
+                       variants=tuple(args.variant),
                        configs_from=json.loads(Path(args.configs_from).read_text()) if args.configs_from else None,
                        prefill_profiles=tuple(args.prefill_profile), decode_profiles=tuple(args.decode_profile),
                        prefill_inflights=tuple(int(x) for x in args.prefill_inflights.split(",") if x.strip())
