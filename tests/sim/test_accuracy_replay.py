@@ -6,7 +6,7 @@ against real measurements in a second, where the live comparison (tests/sim/test
 takes minutes and moves with the shared cores' noise.
 
 Two hosts' runs: five on an AVX2-only AMD EPYC Zen 1 (its cases stretched, `calibrate.host_scale`),
-sixteen on an Intel Xeon with AMX (five of them served after the KV handoff was shortened). The
+seventeen on Intel Xeons with AMX (six of them served after the KV handoff was shortened). The
 bounds are each host's agreement today, with a margin (BENCHMARKS.md, 2026-12-06): every metric's
 mean error over its runs within ±12% (today -8.0% to +6.8%), and the mean absolute error at most
 14% on the AVX2 host (12.0%) and 11% on the AMX one (9.0%). A better simulator passes them; one
