@@ -117,6 +117,14 @@ class Trial:
                 "request_throughput": self.summary["request_throughput"]}
 
 
+def pool_profiles(main: Profile, prefill: Profile | None = None,
+                  decode: Profile | None = None) -> tuple[Profile, Profile | None]:
+    """`simulate`'s profile and prefill_profile for pools on `prefill` and `decode` (None: `main`): its
+    main profile is the decode pool's (and colocated workers'); the prefill pool's is given apart."""
+    return (main if decode is None else decode), (prefill if prefill is not None else
+                                                  main if decode is not None else None)
+
+
 class Planner:
     """Runs and remembers simulations of one workload (`arrivals()` gives a fresh request list).
     `prefill_profiles`, `decode_profiles`: other profiles that pool may run on, by name (the same
@@ -141,11 +149,10 @@ class Planner:
               decode_profile: str | None = None) -> Trial:
         key = (config, prefill_profile, decode_profile)
         if key not in self.trials:
-            # the simulator's main profile is the decode pool's; the prefill pool's is given apart
-            s = simulate(self.decode_profiles[decode_profile] if decode_profile else self.profile, config,
-                         self.arrivals(), slo_ttft_ms=self.spec.slo_ttft_p90_ms, slo_tpot_ms=self.slo_tpot_ms,
-                         prefill_profile=self.prefill_profiles[prefill_profile] if prefill_profile else
-                         self.profile if decode_profile else None)
+            main, prefill = pool_profiles(self.profile, self.prefill_profiles.get(prefill_profile),
+                                          self.decode_profiles.get(decode_profile))
+            s = simulate(main, config, self.arrivals(), slo_ttft_ms=self.spec.slo_ttft_p90_ms,
+                         slo_tpot_ms=self.slo_tpot_ms, prefill_profile=prefill)
             ttft = s["ttft_ms"]["p90"] if s["ttft_ms"] else float("inf")
             itl = s["itl_ms"]["p90"] if s["itl_ms"] else 0.0
             spec = self.spec

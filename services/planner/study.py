@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from services.planner.forecast import Capacity, ForecastScaler, ProfileSizer
-from services.planner.plan import Planner, PlanSpec
+from services.planner.plan import Planner, PlanSpec, pool_profiles
 from shared.sim.cluster import ClusterConfig, simulate
 from shared.sim.cost import load_profile
 from shared.sim.workload import _trace_row, mooncake_shaped_trace
@@ -137,14 +137,14 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
     which the planned split's prefill (decode) pool may run on; `prefill_inflights`: the jobs a
     prefill worker takes at once that its search tries (None: the profile's)."""
     profile = load_profile(profile_path)
-    pools = {Path(f).stem: load_profile(f) for f in (*prefill_profiles, *decode_profiles)}
+    prefill_pools = {Path(f).stem: load_profile(f) for f in prefill_profiles}
+    decode_pools = {Path(f).stem: load_profile(f) for f in decode_profiles}
+    pools = prefill_pools | decode_pools
     full = trace(rate, duration_s, seed)
     search = busiest(full, search_s)
     spec = PlanSpec(slo_ttft_ms, slo_tpot_ms, max_workers, modes=("disaggregated",), kv_path="network",
                     attainment_pct=attainment, prefill_inflights=prefill_inflights)
-    planner = Planner(profile, spec, lambda: [replace(r) for r in search], slo_tpot_ms,
-                      {Path(f).stem: pools[Path(f).stem] for f in prefill_profiles},
-                      {Path(f).stem: pools[Path(f).stem] for f in decode_profiles})
+    planner = Planner(profile, spec, lambda: [replace(r) for r in search], slo_tpot_ms, prefill_pools, decode_pools)
     t0 = time.perf_counter()
     if configs_from is not None:
         found = {name: _config(name, row) for name, row in configs_from["rows"].items()
@@ -185,18 +185,17 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
             continue
         scaler = scalers.get(name)
         pp, dp = on.get(name, (None, None))
-        # the simulator's main profile is the decode pool's (and colocated's); the prefill pool's apart
-        s = simulate(pools[dp] if dp else profile, config, [replace(r) for r in full], slo_ttft_ms=slo_ttft_ms,
-                     slo_tpot_ms=slo_tpot_ms, scaler=scaler,
-                     prefill_profile=pools[pp] if pp else profile if dp else None)
+        main, prefill = pool_profiles(profile, pools.get(pp), pools.get(dp))
+        s = simulate(main, config, [replace(r) for r in full], slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
+                     scaler=scaler, prefill_profile=prefill)
         gpus = s["per_gpu"]["gpus"]  # a scaled fleet: the mean over the run
         cost = {k: v for k, v in s["cost"].items() if "workers" in v}
-        gpw = {"prefill": (pools[pp] if pp else profile).limits.gpus_per_worker}
-        main_gpw = (pools[dp] if dp else profile).limits.gpus_per_worker
+        gpw = {"prefill": (prefill or main).limits.gpus_per_worker}
         rows[name] = {"prefill": round(cost.get("prefill", {}).get("workers", 0), 2),  # a scaled fleet: means
                       "decode": round((cost.get("decode") or cost["colocated"])["workers"], 2),
                       "prefill_profile": pp, "decode_profile": dp, "prefill_inflight": config.prefill_max_inflight,
-                      "max_gpus": sum(v["max_workers"] * gpw.get(k, main_gpw) for k, v in cost.items()),
+                      "max_gpus": sum(v["max_workers"] * gpw.get(k, main.limits.gpus_per_worker)
+                                      for k, v in cost.items()),
                       "scaling": {"interval_s": interval_s, "startup_s": scaler.startup_s,
                                   "headroom": scaler.headroom,
                                   **scaler.sizer.describe(),

@@ -218,14 +218,10 @@ class Recorder:
         tpot = np.where(out > 1, (finish - first) / np.maximum(out - 1, 1), 0.0)
         tpot_ok = done & (tpot * 1e3 <= slo_tpot_ms)
         which = np.floor(arrival / window_s).astype(int)
-        rows = []
-        for w in range(int(which.max()) + 1 if which.size else 0):
-            m = which == w
-            n = int(m.sum())
-            if n:
-                rows.append([w * window_s, n, *(round(100.0 * float(ok[m].mean()), 3)
-                                                for ok in (ttft_ok, tpot_ok, ttft_ok & tpot_ok))])
-        return rows
+        n = np.bincount(which)
+        met = [np.bincount(which, weights=ok) for ok in (ttft_ok, tpot_ok, ttft_ok & tpot_ok)]
+        return [[float(w * window_s), int(n[w]), *(round(100.0 * float(m[w]) / n[w], 3) for m in met)]
+                for w in np.nonzero(n)[0]]
 
     def _merged(self, kinds) -> ItlHistogram:
         h = ItlHistogram()
