@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from services.bench.workloads import CHAT_PROMPT_TOKENS
+from services.bench.workloads import CHAT_PROMPT_TOKENS, LONG_OUTPUT_TOKENS
 from services.planner.calibrate import scale_tokens
 
 log = logging.getLogger("pdserve.accuracy")
@@ -61,17 +61,26 @@ class Case:
                        long_interval_s=self.long_interval_s * s)
 
 
+# The long-doc cases answer as the bench's long-doc workload does (32-128 tokens). With 16-32 tokens
+# (until 2026-12-06) a request had ~11 events, so its first gap, which carries the KV move (~2 steps),
+# was ~9% of the events, and the ITL p90 sat on the edge between those first gaps and the rest: the
+# simulator put 9.2% of its events there and read the p90 below the edge, the real runs above it (the
+# cell was off, by -23% on average, in 14 of the 17 recorded runs of the AMX host)
 CASES = (
     Case("chat low", "chat", rate=0.5, num_requests=10, input_len=CHAT_PROMPT_TOKENS, output_len=(24, 48)),
     Case("chat high", "chat", rate=2.0, num_requests=14, input_len=CHAT_PROMPT_TOKENS, output_len=(24, 48)),
-    Case("long-doc low", "long-doc", rate=0.2, num_requests=5, input_len=(600, 1200), output_len=(16, 32)),
-    Case("long-doc high", "long-doc", rate=0.6, num_requests=8, input_len=(600, 1200), output_len=(16, 32)),
+    Case("long-doc low", "long-doc", rate=0.2, num_requests=5, input_len=(600, 1200),
+         output_len=LONG_OUTPUT_TOKENS),
+    Case("long-doc high", "long-doc", rate=0.6, num_requests=8, input_len=(600, 1200),
+         output_len=LONG_OUTPUT_TOKENS),
     Case("interference low", "interference", concurrency=2, input_len=CHAT_PROMPT_TOKENS, output_len=(24, 48),
          duration_s=12.0),
     Case("interference high", "interference", concurrency=4, input_len=CHAT_PROMPT_TOKENS, output_len=(24, 48),
          duration_s=12.0),
 )
-LONG_OUT = (16, 32)
+LONG_OUT = (16, 32)  # the interference mix's long prompts answer briefly: only the chat streams' gaps are compared
+# the cases as they were until 2026-12-06, which the runs recorded without their cases ran
+CASES_BEFORE_2026_12_06 = tuple(replace(c, output_len=LONG_OUT) if c.workload == "long-doc" else c for c in CASES)
 
 
 def _real(url: str, gguf: str, case: Case, seed: int) -> tuple[dict[str, Any], float, float | None]:
@@ -174,12 +183,12 @@ def replay(run: dict[str, Any]) -> dict[str, Any]:
     event its real run got, simulated against the real values it recorded. Calibration and
     simulation are deterministic, so a change to either is checked against real runs in a fraction
     of a second (tests/sim/test_accuracy_replay.py). A run recorded without its cases and seed
-    (before 2026-12-06) ran `CASES` from seed 4242."""
+    (before 2026-12-06) ran `CASES_BEFORE_2026_12_06` from seed 4242."""
     from services.planner.calibrate import recalibrate
     from shared.sim.cost import Profile
 
     profile = recalibrate(Profile.from_json(run["profile"]))
-    cases = [_case_from_json(c) for c in run["cases"]] if "cases" in run else CASES
+    cases = [_case_from_json(c) for c in run["cases"]] if "cases" in run else CASES_BEFORE_2026_12_06
     rows = []
     for i, (case, old) in enumerate(zip(cases, run["rows"], strict=True)):
         if case.name != old["case"]:

@@ -9,7 +9,8 @@ forecast needs — early enough that the workers have loaded their model when th
     every interval:  arrivals of the last interval → linear trend over the last `history` intervals
                      (more where the rate is a trickle; fewer where the arrivals stopped), where
                      it stands out of the noise → its highest rate between the next
-                     interval and `startup_s + interval_s` ahead,
+                     interval and `startup_s + interval_s` ahead (raised where the last 2·`history`
+                     intervals bend upwards beyond the noise: the load turning up from a trough),
                      × (1 + headroom), + each pool's backlog ÷ interval → the sizer: workers per pool
 
 The backlog term is what keeps a forecast's miss from lasting: a pool that fell behind holds a queue
@@ -19,7 +20,11 @@ queue of up to `queue_per_worker` jobs per worker is the ordinary wait for a fre
 
 Hysteresis: a pool grows as soon as the forecast asks; it shrinks only after `down_after` intervals
 in a row that all wanted fewer, and then to the most that any of them wanted (a steady load does not
-flip between two counts; a brief dip does not drain workers the next minute needs). Bounds: each
+flip between two counts; a brief dip does not drain workers the next minute needs). Where the load
+declines beyond chance (4 intervals or more on a line within their noise, falling by more than 3
+standard errors: not a dip, nor a step down that a line would carry on), after `down_after_falling`:
+holding a declining pool three intervals longer paid for ~15% more workers than it needed all
+through the afternoon of a daily swing (BENCHMARKS.md). Bounds: each
 pool within [min, max], both within the budget (if the forecast exceeds it, both pools get their
 share of the budget and the SLOs are at risk, which the run reports).
 
@@ -42,7 +47,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from statistics import NormalDist
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from shared.sim.cost import Profile
 from shared.sim.workload import Load, Mix
@@ -230,6 +235,7 @@ class ForecastScaler:
     headroom: float = 0.10
     history: int = 5  # intervals the trend is fitted over
     down_after: int = 3  # intervals in a row wanting fewer before a pool shrinks
+    down_after_falling: int = 1  # … while the forecast line falls beyond 3 standard errors (forecast())
     min_workers: tuple[int, int] = (1, 1)
     max_workers: tuple[int, int] = (10_000, 10_000)
     budget: int = 20_000  # prefill + decode workers
@@ -238,20 +244,24 @@ class ForecastScaler:
     rate_requests: int = 10  # the trend is fitted over intervals that hold this many arrivals, where it takes more
     max_history: int = 30  # …but at most this many intervals
     surprise: float = 6.0  # a change in the arrivals this unlikely by chance (e^-surprise) ends the window
+    curvature: bool = True  # also fit a parabola: a load turning up from its trough is foreseen (forecast())
     arrivals: deque = field(default_factory=deque)  # (requests, seconds), one per interval
     loads: deque = field(default_factory=deque)  # finished work, one Load per interval (the mix's window)
     mix: Mix | None = None  # of the requests finished lately (the last known, if none were)
     decode_factor: float = 1.0  # observed decode step ÷ the profile's (a moving average; 1 until seen)
     current: list[int] | None = None  # the fleet as it stands (set it to start from a running fleet)
     lower: list[list[int]] = field(default_factory=lambda: [[], []])  # recent lower wants per pool
+    falling: bool = False  # the last forecast's line fell beyond FALL_Z standard errors: no dip of chance
+    BEND_Z: ClassVar[float] = 3.0  # standard errors of a parabola's curvature that make a bend (_turning_up)
+    FALL_Z: ClassVar[float] = 3.0  # … of the line's slope that make a decline (`falling`)
     _last: tuple[float, int] | None = None
     _last_load: Load | None = None
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0 or self.startup_s < 0 or self.headroom < 0 or not 2 <= self.history <= \
-                self.max_history or self.down_after < 1 or self.surprise <= 0:
+                self.max_history or min(self.down_after, self.down_after_falling) < 1 or self.surprise <= 0:
             raise ValueError("forecast scaler: need interval > 0, startup >= 0, headroom >= 0, "
-                             "2 <= history <= max_history, down_after >= 1, surprise > 0")
+                             "2 <= history <= max_history, down_after(_falling) >= 1, surprise > 0")
         if any(lo < 1 or lo > hi for lo, hi in zip(self.min_workers, self.max_workers)) or \
                 sum(self.min_workers) > self.budget:
             raise ValueError("forecast scaler: need 1 <= min <= max per pool and the minimums within the budget")
@@ -293,9 +303,13 @@ class ForecastScaler:
         below zero. The slope is used only where it stands out of the noise (beyond two standard
         errors, with at least Poisson noise: a rate counted over an interval varies by
         √(rate ÷ interval)); otherwise the forecast is the mean. Extrapolating a slope fitted to
-        noise is what makes a predictive planner oscillate."""
+        noise is what makes a predictive planner oscillate. A falling line is read at the next
+        interval's start, where a worker removed now is first missed; a rising one a startup and an
+        interval past the last observed. With `curvature`, raised where the load bends upwards
+        (`_turning_up`). Sets `falling`: the pools may shrink without waiting (`down_after_falling`)."""
         ys = self._window()
         if len(ys) < 2:
+            self.falling = False
             return ys[-1] if ys else 0.0
         n = len(ys)
         mx, my = (n - 1) / 2, sum(ys) / n
@@ -303,10 +317,45 @@ class ForecastScaler:
         slope = sum((i - mx) * (y - my) for i, y in enumerate(ys)) / sxx
         resid = sum((y - my - slope * (i - mx)) ** 2 for i, y in enumerate(ys)) / (n - 2) if n > 2 else 0.0
         noise = max(resid, my / self.interval_s)
+        # a decline, not a step down or a dip: 4 intervals or more, on the line within the noise
+        self.falling = n >= 4 and resid <= 2 * my / self.interval_s and slope < -self.FALL_Z * math.sqrt(noise / sxx)
         if abs(slope) < 2 * math.sqrt(noise / sxx):
             slope = 0.0
         ahead = (self.startup_s + self.interval_s) / self.interval_s  # intervals past the last observed one
-        return max(0.0, my + slope * (n - 1 - mx + (ahead if slope > 0 else 1.0)))
+        line = max(0.0, my + slope * (n - 1 - mx + (ahead if slope > 0 else 0.5)))
+        if not self.curvature or any(y == 0 for y in ys):  # (the traffic stopped: nothing turns up)
+            return line
+        longer = [k / dt for k, dt in list(self.arrivals)[-2 * self.history:]]
+        bend = self._turning_up(longer if len(longer) > n else ys, ahead)
+        if bend > 0:  # a decline that levels off towards a turn: no prompt shrinking
+            self.falling = False
+        return max(line, bend)
+
+    def _turning_up(self, ys: list[float], ahead: float) -> float:
+        """With `curvature`: where the rates of the last 2·`history` intervals bend upwards beyond
+        the noise (a parabola's curvature beyond 3 standard errors) and the parabola explains them
+        (its residuals within twice the noise: a step in the load is no parabola), its rate `ahead`
+        intervals past the last one; else 0. It only ever raises the line's forecast: a load that
+        levels off at its trough is seen to turn up before a line through the trough shows a slope,
+        and a worker added then serves when the load comes. A load bending down is left to the line.
+        Over 5 intervals the bend of a daily swing is lost in the noise; over 10 it is not."""
+        n = len(ys)
+        if n < 6:
+            return 0.0
+        xs = [i - (n - 1) / 2 for i in range(n)]
+        x2 = [x * x for x in xs]
+        m2 = sum(x2) / n
+        q = [v - m2 for v in x2]  # x² less its mean: orthogonal to 1 and x over a centred window
+        sqq, sxx = sum(v * v for v in q), sum(x * x for x in xs)
+        my = sum(ys) / n
+        b = sum(x * y for x, y in zip(xs, ys)) / sxx
+        c = sum(v * y for v, y in zip(q, ys)) / sqq
+        resid = sum((y - my - b * x - c * v) ** 2 for x, y, v in zip(xs, ys, q)) / (n - 3)
+        poisson = my / self.interval_s
+        if resid > 2 * poisson or c <= self.BEND_Z * math.sqrt(max(resid, poisson) / sqq):
+            return 0.0
+        x = xs[-1] + ahead
+        return max(0.0, my + b * x + c * (x * x - m2))
 
     def targets_for(self, now: float, arrived: int, waiting: tuple[int, int], have: list[int], leaving: int,
                     budget: int, load: Load | None = None,
@@ -376,7 +425,7 @@ class ForecastScaler:
                 self.lower[i].clear()
             else:
                 self.lower[i].append(n)
-                if len(self.lower[i]) >= self.down_after:
+                if len(self.lower[i]) >= (self.down_after_falling if self.falling else self.down_after):
                     self.current[i] = max(self.lower[i])
                     self.lower[i].clear()
         while sum(self.current) > self.budget:  # a pool held up by hysteresis yields to the one growing

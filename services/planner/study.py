@@ -129,7 +129,7 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
               variants: tuple[tuple, ...] = (), configs_from: dict[str, Any] | None = None,
               prefill_profiles: tuple[str, ...] = (), prefill_inflights: tuple[int | None, ...] = (None,),
               decode_profiles: tuple[str, ...] = ()) -> dict[str, Any]:
-    """`variants`: more (headroom, startup_s[, "capacity" | "profile"]) for the scaled fleet, each a row
+    """`variants`: more (headroom, startup_s[, "capacity" | "profile"][, "line"]) for the scaled fleet, each a row
     of its own, sized by the planned split's capacity per worker (the default) or by the profile.
     `configs_from`: an earlier result of the study: its configurations are simulated again without
     the searches (for a change to the scaled fleet's policy, which the searches do not depend on).
@@ -168,14 +168,18 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
                              kv_path="network")
         runs = [("planned, scaled over the hour", cap, headroom, startup_s),
                 ("planned, scaled over the hour, sized from the profile", sized, headroom, startup_s)]
+        runs = [(*run, False) for run in runs]
         for room, startup, *how in variants:
-            by_profile = how == ["profile"]
+            by_profile, line = "profile" in how, "line" in how
             runs.append((f"planned, scaled over the hour{', sized from the profile' if by_profile else ''} "
-                         f"(headroom {room:g}, startup {startup:g} s)", sized if by_profile else cap, room, startup))
-        for name, sizer, room, startup in runs:
+                         f"(headroom {room:g}, startup {startup:g} s{', a line forecast' if line else ''})",
+                         sized if by_profile else cap, room, startup, line))
+        for name, sizer, room, startup, line in runs:
+            # `line`: no bend, and hysteresis in a decline too (as the forecaster was until 2026-12-06's afternoon)
+            old = {"curvature": False, "down_after_falling": ForecastScaler.down_after} if line else {}
             scalers[name] = ForecastScaler(sizer, interval_s=interval_s, startup_s=startup, headroom=room,
                                            current=[p.prefill, p.decode], max_workers=(max_workers, max_workers),
-                                           budget=max_workers)
+                                           budget=max_workers, **old)
             found[name] = p
             on[name] = on["planned"]
     rows = {}
@@ -197,7 +201,8 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
                       "max_gpus": sum(v["max_workers"] * gpw.get(k, main.limits.gpus_per_worker)
                                       for k, v in cost.items()),
                       "scaling": {"interval_s": interval_s, "startup_s": scaler.startup_s,
-                                  "headroom": scaler.headroom,
+                                  "headroom": scaler.headroom, "curvature": scaler.curvature,
+                                  "down_after": [scaler.down_after, scaler.down_after_falling],
                                   **scaler.sizer.describe(),
                                   "changes": s["scaling"]["changes"], "log": s["scaling"]["log"],
                                   "slo_by_window": s["scaling"].get("slo_by_window")} if scaler else None,
@@ -225,14 +230,15 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
 
 
 def _variant(text: str) -> tuple:
-    """HEADROOM:STARTUP[:capacity|:profile] as (headroom, startup_s[, sizer])."""
+    """HEADROOM:STARTUP[:capacity|:profile][:line] as (headroom, startup_s[, sizer][, "line"])."""
     try:
         room, startup, *how = text.split(":")
-        if how not in ([], ["capacity"], ["profile"]):
+        if how not in ([], ["capacity"], ["profile"], ["line"], ["capacity", "line"], ["profile", "line"]):
             raise ValueError
         return (float(room), float(startup), *how)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: want HEADROOM:STARTUP, then :capacity or :profile") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: want HEADROOM:STARTUP, then :capacity or :profile, then :line"
+                                         ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,9 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=60.0, help="seconds between the scaled fleet's decisions")
     p.add_argument("--startup", type=float, default=120.0, help="seconds from adding a worker until it serves")
     p.add_argument("--headroom", type=float, default=0.1, help="capacity above the forecast")
-    p.add_argument("--variant", action="append", default=[], type=_variant, metavar="HEADROOM:STARTUP[:profile]",
+    p.add_argument("--variant", action="append", default=[], type=_variant,
+                   metavar="HEADROOM:STARTUP[:profile][:line]",
                    help="another scaled fleet with this headroom and startup, sized by the planned capacity per "
-                        "worker or (':profile') from the profile (repeatable)")
+                        "worker or (':profile') from the profile; ':line': its forecast a line, with no bend, and "
+                        "hysteresis in a decline too (repeatable)")
     p.add_argument("--prefill-profile", action="append", default=[], metavar="FILE",
                    help="the same model on another tensor-parallel group: the planned prefill pool may run on it "
                         "(repeatable)")

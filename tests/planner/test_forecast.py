@@ -32,8 +32,8 @@ def test_forecast_follows_the_trend_a_startup_ahead():
     assert s.forecast() == pytest.approx(140 + 10 * 3)  # three intervals past the last one observed
     s = ForecastScaler(Capacity(10.0, 20.0), interval_s=60, startup_s=120, headroom=0.0, history=5)
     _feed(s, [140, 130, 120, 110, 100])
-    # falling: a worker removed now is missing from the next interval on, so the next one's rate counts
-    assert s.forecast() == pytest.approx(100 - 10)
+    # falling: a worker removed now is missing from now on, so the rate at the next interval's start counts
+    assert s.forecast() == pytest.approx(100 - 5)
     s = ForecastScaler(Capacity(10.0, 20.0), interval_s=60, startup_s=0, headroom=0.0)
     _feed(s, [100, 50, 0, 0, 0])
     assert s.forecast() == 0.0  # never below zero
@@ -75,6 +75,69 @@ def test_a_trickle_of_long_requests_in_pairs_does_not_flip_the_pool_and_its_end_
     assert {p for p, _ in _feed(s, [0.5] * 40)} == {2}
     after = [(s.targets(80.0 + 2 * i, 40)[0], len(s._window())) for i in range(1, 13)]
     assert [p for p, _ in after] == [2] * 7 + [1] * 5 and [k for _, k in after][7:] == [18, 9, 10, 11, 12], after
+
+
+def _daily(minute: float, mean: float = 240.0) -> float:
+    """A load that swings ±50% over an hour (the planning study's trace): its trough at minute 45."""
+    return mean * (1 + 0.5 * math.sin(2 * math.pi * minute / 60))
+
+
+def _counted(rates, interval_s: float, seed: int) -> list[float]:
+    """Rates as an interval's Poisson count would show them (normal, at these counts)."""
+    import random
+
+    rng = random.Random(seed)
+    return [max(0.0, rng.gauss(r * interval_s, math.sqrt(r * interval_s))) / interval_s for r in rates]
+
+
+def test_a_load_turning_up_from_its_trough_is_foreseen_a_steady_one_or_a_step_is_not_bent():
+    """Near a daily trough a line through the last intervals has no slope to show, while the load
+    is about to rise; a parabola through the last 10 bends upwards beyond the noise, and the fleet is
+    sized for the rise a startup ahead. A steady load, or a step, is no parabola: the line stands."""
+    def forecast(rates, curvature=True):
+        s = ForecastScaler(Capacity(10.0, 20.0), interval_s=60, startup_s=120, headroom=0.0, curvature=curvature)
+        _feed(s, rates)
+        return s.forecast()
+
+    ahead = max(_daily(m + 0.5) for m in range(46, 49))  # the intervals until a worker added now serves
+    lines, bents = [], []
+    for seed in range(8):
+        trough = _counted([_daily(m + 0.5) for m in range(35, 46)], 60, seed)  # minutes 35-45
+        lines.append(forecast(trough, curvature=False))
+        bents.append(forecast(trough))
+        assert bents[-1] > lines[-1]
+        steady = _counted([240.0] * 11, 60, 100 + seed)
+        assert forecast(steady) == forecast(steady, curvature=False)
+    assert sum(lines) / 8 < 0.95 * ahead  # the line misses the rise by more than a usual headroom
+    assert abs(sum(bents) / 8 - ahead) < 0.03 * ahead
+    step = _counted([100.0] * 9 + [200.0, 200.0], 60, 7)
+    assert forecast(step) == forecast(step, curvature=False)
+
+
+def test_a_decline_beyond_chance_shrinks_the_pools_at_once_a_dip_does_not():
+    """Hysteresis holds a pool three intervals after it wants fewer, so that noise does not flip it;
+    in a daily decline that pays for workers all afternoon. A trend that falls beyond 3 standard
+    errors is no noise: the pool follows the forecast at each interval, to the rate at its start."""
+    decline = _counted([_daily(m + 0.5) for m in range(20, 31)], 60, 3)  # the afternoon: ~12 req/s less a minute
+
+    def follow(**kw):
+        s = ForecastScaler(Capacity(10.0, 20.0), interval_s=60, startup_s=120, headroom=0.0, history=5,
+                           current=[40, 20], **kw)
+        out, arrived = [], 0
+        s.targets(0.0, 0)
+        for i, r in enumerate(decline):
+            arrived += round(r * 60)
+            out.append((s.targets(60.0 * (i + 1), arrived)[0], math.ceil(s.forecast() / 10.0 - 1e-9), s.falling))
+        return out
+
+    prompt, held = follow(), follow(down_after_falling=3)
+    assert all(falling for _, _, falling in prompt[3:])  # from 4 intervals on, a decline
+    assert all(have == want for have, want, _ in prompt[3:])
+    assert sum(have for have, *_ in prompt) < sum(have for have, *_ in held) - 10  # worker-minutes saved
+    dip = ForecastScaler(Capacity(10.0, 20.0), interval_s=60, startup_s=120, headroom=0.0, history=5,
+                         current=[24, 12])
+    wants = _feed(dip, _counted([240.0] * 5 + [220.0], 60, 4))
+    assert dip.lower[0] and not dip.falling and wants[-1] == wants[-2]  # it wants fewer, and waits for 2 more
 
 
 def test_bounds_and_budget():

@@ -16,7 +16,7 @@ def test_small_study_the_scaled_fleet_pays_for_less_than_the_peak_and_meets_the_
     r = run_study(str(ROOFLINE), rate=20.0, duration_s=1200.0, search_s=120.0, slo_ttft_ms=4000, slo_tpot_ms=40,
                   attainment=95.0, max_workers=60, colocated_chunks=(2048,), interval_s=30.0, startup_s=60.0,
                   prefill_profiles=(str(tp4),), prefill_inflights=(2,), decode_profiles=(str(tp4),),
-                  variants=((0.2, 30.0, "profile"),))
+                  variants=((0.2, 30.0, "profile"), (0.2, 30.0, "profile", "line")))
     rows = r["rows"]
     planned, scaled, static = rows["planned"], rows["planned, scaled over the hour"], rows["static 1:1"]
     assert planned and scaled and static
@@ -36,6 +36,9 @@ def test_small_study_the_scaled_fleet_pays_for_less_than_the_peak_and_meets_the_
     assert sum(w[1] for w in scaled["scaling"]["slo_by_window"]) == scaled["requests"]  # where the misses are
     variant = rows["planned, scaled over the hour, sized from the profile (headroom 0.2, startup 30 s)"]
     assert variant["scaling"]["sizer"] == "profile" and variant["scaling"]["headroom"] == 0.2
+    assert variant["scaling"]["curvature"] and variant["scaling"]["down_after"] == [3, 1]
+    line = rows["planned, scaled over the hour, sized from the profile (headroom 0.2, startup 30 s, a line forecast)"]
+    assert not line["scaling"]["curvature"] and line["scaling"]["down_after"] == [3, 3]
     for row in (planned, scaled, static):
         assert row["attainment_pct"] >= 95.0, row  # both SLOs together, over the whole run
     ratios = r["goodput_per_gpu_ratios"]
