@@ -23,8 +23,8 @@ in a row that all wanted fewer, and then to the most that any of them wanted (a 
 flip between two counts; a brief dip does not drain workers the next minute needs). Where the load
 declines beyond chance (4 intervals or more on a line within their noise, falling by more than 3
 standard errors: not a dip, nor a step down that a line would carry on), after `down_after_falling`:
-holding a declining pool three intervals longer paid for ~15% more workers than it needed all
-through the afternoon of a daily swing (BENCHMARKS.md). Bounds: each
+on the planning study's daily swing, holding a declining pool three intervals longer cost ~3% of
+the hour's GPU time (BENCHMARKS.md). Bounds: each
 pool within [min, max], both within the budget (if the forecast exceeds it, both pools get their
 share of the budget and the SLOs are at risk, which the run reports).
 
