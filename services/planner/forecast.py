@@ -230,6 +230,8 @@ class ProfileSizer:
 @dataclass
 class ForecastScaler:
     sizer: Sizer
+    BEND_Z: ClassVar[float] = 3.0  # standard errors of a parabola's curvature that make a bend (_turning_up)
+    FALL_Z: ClassVar[float] = 3.0  # … of the line's slope that make a decline (`falling`)
     interval_s: float = 60.0
     startup_s: float = 120.0  # a worker's GPUs are paid for from the decision; it serves this much later
     headroom: float = 0.10
@@ -252,8 +254,6 @@ class ForecastScaler:
     current: list[int] | None = None  # the fleet as it stands (set it to start from a running fleet)
     lower: list[list[int]] = field(default_factory=lambda: [[], []])  # recent lower wants per pool
     falling: bool = False  # the last forecast's line fell beyond FALL_Z standard errors: no dip of chance
-    BEND_Z: ClassVar[float] = 3.0  # standard errors of a parabola's curvature that make a bend (_turning_up)
-    FALL_Z: ClassVar[float] = 3.0  # … of the line's slope that make a decline (`falling`)
     _last: tuple[float, int] | None = None
     _last_load: Load | None = None
 

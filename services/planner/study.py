@@ -166,9 +166,8 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
         # profile sizer prices decode on the decode pool's profile (prefill: by the mix's measured seconds)
         sized = ProfileSizer(pools[dp] if dp else profile, slo_ttft_ms / 1e3, slo_tpot_ms / 1e3, attainment / 100,
                              kv_path="network")
-        runs = [("planned, scaled over the hour", cap, headroom, startup_s),
-                ("planned, scaled over the hour, sized from the profile", sized, headroom, startup_s)]
-        runs = [(*run, False) for run in runs]
+        runs = [("planned, scaled over the hour", cap, headroom, startup_s, False),
+                ("planned, scaled over the hour, sized from the profile", sized, headroom, startup_s, False)]
         for room, startup, *how in variants:
             by_profile, line = "profile" in how, "line" in how
             runs.append((f"planned, scaled over the hour{', sized from the profile' if by_profile else ''} "
