@@ -316,10 +316,11 @@ class ForecastScaler:
         sxx = sum((i - mx) ** 2 for i in range(n))
         slope = sum((i - mx) * (y - my) for i, y in enumerate(ys)) / sxx
         resid = sum((y - my - slope * (i - mx)) ** 2 for i, y in enumerate(ys)) / (n - 2) if n > 2 else 0.0
-        noise = max(resid, my / self.interval_s)
+        poisson = my / self.interval_s
+        se = math.sqrt(max(resid, poisson) / sxx)  # the slope's standard error
         # a decline, not a step down or a dip: 4 intervals or more, on the line within the noise
-        self.falling = n >= 4 and resid <= 2 * my / self.interval_s and slope < -self.FALL_Z * math.sqrt(noise / sxx)
-        if abs(slope) < 2 * math.sqrt(noise / sxx):
+        self.falling = n >= 4 and resid <= 2 * poisson and slope < -self.FALL_Z * se
+        if abs(slope) < 2 * se:
             slope = 0.0
         ahead = (self.startup_s + self.interval_s) / self.interval_s  # intervals past the last observed one
         line = max(0.0, my + slope * (n - 1 - mx + (ahead if slope > 0 else 0.5)))
