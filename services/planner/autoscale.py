@@ -422,6 +422,10 @@ def add_policy_args(g, what: str, startup_s: float) -> None:
     g.add_argument("--startup-s", type=float, default=startup_s,
                    help=f"forecast: seconds from adding a {what} until it serves (how far ahead to forecast)")
     g.add_argument("--headroom", type=float, default=0.1, help="forecast: capacity above the forecast")
+    g.add_argument("--schedule", default=None, metavar="PLAN.json",
+                   help=f"forecast: a `pdserve plan --forecast ... --json` result: each pool at least the {what}s "
+                        "its schedule has for now (clock times: this machine's local time), in place a startup "
+                        "ahead; the forecast adds what the plan did not foresee")
 
 
 def forecast_scaler(args, config: AutoscaleConfig, command: str, kv_path: str = "shm") -> ForecastScaler:
@@ -435,9 +439,14 @@ def forecast_scaler(args, config: AutoscaleConfig, command: str, kv_path: str = 
             profile = load_profile(args.sizer_profile)
             sizer = ProfileSizer(profile, config.slo_ttft_p90_s, config.slo_itl_p90_s / profile.tokens_per_event,
                                  attainment=0.9, kv_path=kv_path)
+        floor = None
+        if args.schedule:
+            from services.planner.schedule import Schedule
+
+            floor = Schedule.load(args.schedule, config.interval_s).floor
         return ForecastScaler(sizer, interval_s=config.interval_s, startup_s=args.startup_s,
                               headroom=args.headroom, min_workers=(config.min_prefill, config.min_decode),
-                              max_workers=(config.max_prefill, config.max_decode), budget=config.budget)
+                              max_workers=(config.max_prefill, config.max_decode), budget=config.budget, floor=floor)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"{command}: {exc}") from None
 
@@ -458,6 +467,8 @@ def add_limit_args(g, max_per_pool: int, what: str) -> None:
 
 def limits_config(args, *, colocated: bool = False, started: tuple[int, int] = (0, 0)) -> AutoscaleConfig:
     """AutoscaleConfig from `add_limit_args`' arguments; a pool's maximum is at least `started`."""
+    if getattr(args, "schedule", None) and args.policy != "forecast":
+        raise ValueError("--schedule is a floor under the forecast policy: give --policy forecast")
     max_prefill = 0 if colocated else max(args.max_prefill, started[0])
     max_decode = max(args.max_decode, started[1])
     return AutoscaleConfig(min_prefill=0 if colocated else args.min_prefill, max_prefill=max_prefill,

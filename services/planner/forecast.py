@@ -247,6 +247,9 @@ class ForecastScaler:
     max_history: int = 30  # …but at most this many intervals
     surprise: float = 6.0  # a change in the arrivals this unlikely by chance (e^-surprise) ends the window
     curvature: bool = True  # also fit a parabola: a load turning up from its trough is foreseen (forecast())
+    # workers per pool it never goes below at a time (`now` as `targets` gets it): a schedule planned from a
+    # forecast of the load (schedule.Schedule), so the known pattern is in place ahead, the surprises followed
+    floor: Callable[[float], tuple[int, int]] | None = None
     arrivals: deque = field(default_factory=deque)  # (requests, seconds), one per interval
     loads: deque = field(default_factory=deque)  # finished work, one Load per interval (the mix's window)
     mix: Mix | None = None  # of the requests finished lately (the last known, if none were)
@@ -398,6 +401,13 @@ class ForecastScaler:
             self.mix = Mix.of(window) or self.mix
         self._last_load = load
 
+    def _least(self, now: float) -> list[int]:
+        """Each pool's least count now: its minimum, or the floor's count where that is more (within
+        its maximum)."""
+        if self.floor is None:
+            return list(self.min_workers)
+        return [min(max(lo, f), hi) for lo, f, hi in zip(self.min_workers, self.floor(now), self.max_workers)]
+
     def targets(self, now: float, arrived: int, waiting: tuple[int, int] = (0, 0),
                 load: Load | None = None) -> tuple[int, int]:
         """Workers wanted per pool, from the arrivals so far, the jobs waiting for each pool now
@@ -408,15 +418,16 @@ class ForecastScaler:
                 self.arrivals.popleft()
         self._last = (now, arrived)
         self._observe_mix(load)
-        if not self.arrivals:  # nothing observed yet: keep the fleet as it is
-            self.current = list(self.current or self.min_workers)
+        least = self._least(now)
+        if not self.arrivals:  # nothing observed yet: keep the fleet as it is (or as the floor wants it)
+            self.current = [max(n, lo) for n, lo in zip(self.current or self.min_workers, least)]
             return tuple(self.current)
         rate = self.forecast() * (1 + self.headroom)
         want = [rate + max(0.0, q - self.queue_per_worker * n) / self.interval_s for q, n in zip(waiting, self.current)]
         mix = self.mix if self.mix is None else replace(self.mix, decode_factor=self.decode_factor)
         need = [self.sizer.workers(i, w, mix) for i, w in enumerate(want)]
         need = [self.current[i] if n is None else n for i, n in enumerate(need)]  # no mix known yet: as it is
-        need = [min(max(n, lo), hi) for n, lo, hi in zip(need, self.min_workers, self.max_workers)]
+        need = [min(max(n, lo), hi) for n, lo, hi in zip(need, least, self.max_workers)]
         if sum(need) > self.budget:  # each pool its share of the budget
             scale = self.budget / sum(need)
             need = [max(lo, math.floor(n * scale)) for n, lo in zip(need, self.min_workers)]

@@ -58,6 +58,8 @@ class PlanSpec:
     def __post_init__(self) -> None:
         if self.slo_ttft_p90_ms <= 0 or self.slo_itl_p90_ms <= 0:
             raise ValueError("SLOs must be positive")
+        if self.attainment_pct is not None and not 0 < self.attainment_pct <= 100:
+            raise ValueError("the SLO attainment is a percentage of requests: above 0, at most 100")
         if self.budget < 1 or (self.budget < 2 and "disaggregated" in self.modes and len(self.modes) == 1):
             raise ValueError("the budget must allow at least one worker per pool")
 
@@ -132,8 +134,10 @@ class Planner:
 
     def __init__(self, profile: Profile, spec: PlanSpec, arrivals: Callable[[], list], slo_tpot_ms: float | None = None,
                  prefill_profiles: Mapping[str, Profile] | None = None,
-                 decode_profiles: Mapping[str, Profile] | None = None):
+                 decode_profiles: Mapping[str, Profile] | None = None,
+                 pairings: list[tuple[str | None, str | None]] | None = None):
         self.profile, self.spec, self.arrivals = profile, spec, arrivals
+        self.only_pairings = pairings  # None: every pairing of the pools' profiles
         self.prefill_profiles = dict(prefill_profiles or {})
         self.decode_profiles = dict(decode_profiles or {})
         self.slo_tpot_ms = slo_tpot_ms if slo_tpot_ms is not None else spec.slo_itl_p90_ms
@@ -143,6 +147,8 @@ class Planner:
 
     def pairings(self) -> list[tuple[str | None, str | None]]:
         """(prefill profile, decode profile) of each disaggregated search, by name (None: the main one)."""
+        if self.only_pairings is not None:
+            return list(self.only_pairings)
         return [(pp, dp) for pp in (None, *self.prefill_profiles) for dp in (None, *self.decode_profiles)]
 
     def trial(self, config: ClusterConfig, prefill_profile: str | None = None,
@@ -309,7 +315,22 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-inflights", default="",
                    help="comma list of jobs a prefill worker takes at once (--max-inflight; default: the profile's)")
     p.add_argument("--kv-path", default="shm", choices=["shm", "network"])
+    p.add_argument("--slo-attainment", type=float, default=None, metavar="PCT",
+                   help="the SLOs' other form: at least PCT%% of requests within the TTFT SLO, within the TPOT one "
+                        "(--slo-tpot-ms, else the ITL one) and within both (default: the p90s)")
     p.add_argument("--json", default=None, help="write the plan here ('-': stdout)")
+    g = p.add_argument_group("a plan through a load forecast (services/planner/schedule.py)")
+    g.add_argument("--forecast", default=None, metavar="CSV",
+                   help="`time,rate` rows (seconds or HH:MM, req/s from then on): plan the busiest period, then "
+                        "every other rate with its shape, and print the pools' schedule; the mix is --workload's "
+                        "or --trace's, each rate searched on --duration seconds of it")
+    g.add_argument("--startup-s", type=float, default=120.0,
+                   help="--forecast: seconds from adding a worker until it serves (a pool grows this far ahead)")
+    g.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
+                   help="--forecast: simulate the whole forecast resized by the schedule, and report each period")
+    g.add_argument("--repair", type=int, default=3,
+                   help="--forecast: rounds of growing each period the verification finds missing an SLO (~5%% "
+                        "more workers in the pool that sets it) and verifying again")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -320,15 +341,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     inflights = tuple(int(x) for x in args.prefill_inflights.split(",") if x.strip()) or (None,)
     spec = PlanSpec(args.slo_ttft_p90_ms, args.slo_itl_p90_ms, args.budget,
                     tuple(m.strip() for m in args.modes.split(",") if m.strip()), chunks, args.kv_path,
-                    prefill_inflights=inflights)
-    reqs = request_list(args)
+                    prefill_inflights=inflights, attainment_pct=args.slo_attainment)
     prefill_profiles = {Path(f).stem: load_profile(f) for f in args.prefill_profile}
     decode_profiles = {Path(f).stem: load_profile(f) for f in args.decode_profile}
+    if args.forecast:
+        from services.planner.schedule import cmd_plan_forecast
+
+        return cmd_plan_forecast(args, profile, spec, prefill_profiles, decode_profiles)
+    reqs = request_list(args)
     result = Planner(profile, spec, lambda: [replace(r) for r in reqs], args.slo_tpot_ms, prefill_profiles,
                      decode_profiles).plan()
     rec = result["recommended"]
-    lines = [f"pdserve plan: {len(reqs)} requests, SLOs TTFT p90 <= {spec.slo_ttft_p90_ms:g} ms, "
-             f"ITL p90 <= {spec.slo_itl_p90_ms:g} ms, budget {spec.budget} workers ({result['simulations']} simulations)"]
+    lines = [f"pdserve plan: {len(reqs)} requests, SLOs {slo_text(spec, args.slo_tpot_ms)}, budget {spec.budget} "
+             f"workers ({result['simulations']} simulations)"]
     if rec is None:
         lines.append("no configuration within the budget meets the SLOs")
     else:
@@ -358,6 +383,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0 if rec is not None else 1
+
+
+def slo_text(spec: PlanSpec, slo_tpot_ms: float | None = None) -> str:
+    if spec.attainment_pct is None:
+        return f"TTFT p90 <= {spec.slo_ttft_p90_ms:g} ms, ITL p90 <= {spec.slo_itl_p90_ms:g} ms"
+    return (f"TTFT <= {spec.slo_ttft_p90_ms:g} ms and TPOT <= {slo_tpot_ms or spec.slo_itl_p90_ms:g} ms, each and "
+            f"both for >= {spec.attainment_pct:g}% of requests")
 
 
 def _describe(t: dict[str, Any]) -> str:

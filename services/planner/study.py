@@ -57,11 +57,14 @@ from typing import Any
 
 from services.planner.forecast import Capacity, ForecastScaler, ProfileSizer
 from services.planner.plan import Planner, PlanSpec, pool_profiles
+from services.planner.schedule import ScheduleScaler
 from shared.sim.cluster import ClusterConfig, simulate
 from shared.sim.cost import load_profile
 from shared.sim.workload import _trace_row, mooncake_shaped_trace
 
 log = logging.getLogger("pdserve.study")
+
+SCHEDULED = "planned through a forecast of the hour (pdserve plan --forecast)"
 
 
 def trace(rate: float, duration_s: float, seed: int) -> list:
@@ -128,14 +131,16 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
               startup_s: float = 120.0, headroom: float = 0.1,
               variants: tuple[tuple, ...] = (), configs_from: dict[str, Any] | None = None,
               prefill_profiles: tuple[str, ...] = (), prefill_inflights: tuple[int | None, ...] = (None,),
-              decode_profiles: tuple[str, ...] = ()) -> dict[str, Any]:
+              decode_profiles: tuple[str, ...] = (), schedule: dict[str, Any] | None = None) -> dict[str, Any]:
     """`variants`: more (headroom, startup_s[, "capacity" | "profile"][, "line"]) for the scaled fleet, each a row
     of its own, sized by the planned split's capacity per worker (the default) or by the profile.
     `configs_from`: an earlier result of the study: its configurations are simulated again without
     the searches (for a change to the scaled fleet's policy, which the searches do not depend on).
     `prefill_profiles`, `decode_profiles`: files of the same model on other tensor-parallel groups,
     which the planned split's prefill (decode) pool may run on; `prefill_inflights`: the jobs a
-    prefill worker takes at once that its search tries (None: the profile's)."""
+    prefill worker takes at once that its search tries (None: the profile's).
+    `schedule`: a `pdserve plan --forecast` result for this trace's load: a row of a fleet resized by
+    its schedule (the load's shape known ahead, as a daily pattern is) instead of by the forecaster."""
     profile = load_profile(profile_path)
     prefill_pools = {Path(f).stem: load_profile(f) for f in prefill_profiles}
     decode_pools = {Path(f).stem: load_profile(f) for f in decode_profiles}
@@ -148,7 +153,7 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
     t0 = time.perf_counter()
     if configs_from is not None:
         found = {name: _config(name, row) for name, row in configs_from["rows"].items()
-                 if not name.startswith("planned, scaled")}
+                 if not name.startswith("planned, scaled") and name != SCHEDULED}
         on = {name: (row.get("prefill_profile"), row.get("decode_profile"))
               for name, row in configs_from["rows"].items() if row}
         missing = {p for pair in on.values() for p in pair if p} - set(pools)
@@ -168,19 +173,32 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
                              kv_path="network")
         runs = [("planned, scaled over the hour", cap, headroom, startup_s, False),
                 ("planned, scaled over the hour, sized from the profile", sized, headroom, startup_s, False)]
+        runs = [(*run, False) for run in runs]
         for room, startup, *how in variants:
-            by_profile, line = "profile" in how, "line" in how
+            by_profile, line, floored = "profile" in how, "line" in how, "schedule" in how
+            if floored and schedule is None:
+                raise ValueError("a variant with :schedule needs the plan's schedule (--schedule)")
             runs.append((f"planned, scaled over the hour{', sized from the profile' if by_profile else ''} "
-                         f"(headroom {room:g}, startup {startup:g} s{', a line forecast' if line else ''})",
-                         sized if by_profile else cap, room, startup, line))
-        for name, sizer, room, startup, line in runs:
+                         f"(headroom {room:g}, startup {startup:g} s{', a line forecast' if line else ''}"
+                         f"{', the forecast plan’s schedule as a floor' if floored else ''})",
+                         sized if by_profile else cap, room, startup, line, floored))
+        for name, sizer, room, startup, line, floored in runs:
             # `line`: no bend, and hysteresis in a decline too (as the forecaster was until 2026-12-06's afternoon)
             old = {"curvature": False, "down_after_falling": ForecastScaler.down_after} if line else {}
             scalers[name] = ForecastScaler(sizer, interval_s=interval_s, startup_s=startup, headroom=room,
                                            current=[p.prefill, p.decode], max_workers=(max_workers, max_workers),
-                                           budget=max_workers, **old)
+                                           budget=max_workers, **old,
+                                           floor=_schedule_scaler(schedule, interval_s).floor if floored else None)
             found[name] = p
             on[name] = on["planned"]
+    if schedule is not None:
+        name, shape = SCHEDULED, schedule["recommended"]
+        scalers[name] = _schedule_scaler(schedule, interval_s)
+        first = scalers[name].floor(0.0)
+        found[name] = ClusterConfig(mode=shape["mode"], kv_path="network", prefill=max(1, first[0]), decode=first[1],
+                                    max_num_batched_tokens=shape["chunk_budget"],
+                                    prefill_max_inflight=shape["prefill_inflight"])
+        on[name] = (shape["prefill_profile"], shape["decode_profile"])
     rows = {}
     for name, config in found.items():
         if config is None:
@@ -199,12 +217,7 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
                       "prefill_profile": pp, "decode_profile": dp, "prefill_inflight": config.prefill_max_inflight,
                       "max_gpus": sum(v["max_workers"] * gpw.get(k, main.limits.gpus_per_worker)
                                       for k, v in cost.items()),
-                      "scaling": {"interval_s": interval_s, "startup_s": scaler.startup_s,
-                                  "headroom": scaler.headroom, "curvature": scaler.curvature,
-                                  "down_after": [scaler.down_after, scaler.down_after_falling],
-                                  **scaler.sizer.describe(),
-                                  "changes": s["scaling"]["changes"], "log": s["scaling"]["log"],
-                                  "slo_by_window": s["scaling"].get("slo_by_window")} if scaler else None,
+                      "scaling": _scaling(scaler, s, interval_s) if scaler else None,
                       "chunk_budget": config.max_num_batched_tokens,
                       "gpus": gpus, "requests": s["sent"], "request_goodput": s["goodput"]["request_goodput"],
                       "goodput_per_gpu": s["goodput"]["request_goodput"] / gpus,
@@ -215,7 +228,8 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
                       "utilization": {k: v["utilization"] for k, v in s["cost"].items() if "utilization" in v}}
         log.info("%s: %s", name, rows[name])
     ratios = {}
-    for mine in ("planned", "planned, scaled over the hour", "planned, scaled over the hour, sized from the profile"):
+    for mine in ("planned", "planned, scaled over the hour", "planned, scaled over the hour, sized from the profile",
+                 SCHEDULED):
         for other in [name for name in rows if name.startswith("static 1:1")] + ["colocated"]:
             if rows.get(mine) and rows.get(other):
                 ratios[f"{mine}_vs_{other}"] = rows[mine]["goodput_per_gpu"] / rows[other]["goodput_per_gpu"]
@@ -228,16 +242,37 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
             "searched": configs_from is None}
 
 
+def _schedule_scaler(schedule: dict[str, Any], interval_s: float) -> ScheduleScaler:
+    """A `pdserve plan --forecast` result's schedule, its first period at the trace's start."""
+    periods = schedule["periods"]
+    t0 = periods[0]["start_s"]
+    return ScheduleScaler([p["start_s"] - t0 for p in periods], [(p["prefill"], p["decode"]) for p in periods],
+                          schedule["startup_s"], interval_s)
+
+
+def _scaling(scaler: ForecastScaler | ScheduleScaler, s: dict[str, Any], interval_s: float) -> dict[str, Any]:
+    """How a resized fleet was resized: its policy's settings, its changes, the SLOs met per window."""
+    out: dict[str, Any] = {"interval_s": interval_s, "startup_s": scaler.startup_s}
+    if isinstance(scaler, ForecastScaler):
+        out |= {"headroom": scaler.headroom, "curvature": scaler.curvature,
+                "down_after": [scaler.down_after, scaler.down_after_falling], **scaler.sizer.describe()}
+    else:
+        out["schedule"] = [list(x) for x in zip(scaler.starts, scaler.counts)]
+    return out | {"changes": s["scaling"]["changes"], "log": s["scaling"]["log"],
+                  "slo_by_window": s["scaling"].get("slo_by_window")}
+
+
 def _variant(text: str) -> tuple:
-    """HEADROOM:STARTUP[:capacity|:profile][:line] as (headroom, startup_s[, sizer][, "line"])."""
+    """HEADROOM:STARTUP[:capacity|:profile][:line][:schedule] as (headroom, startup_s, *those flags)."""
     try:
         room, startup, *how = text.split(":")
-        if how not in ([], ["capacity"], ["profile"], ["line"], ["capacity", "line"], ["profile", "line"]):
+        sizer = [h for h in how[:1] if h in ("capacity", "profile")]
+        if how[len(sizer):] not in ([], ["line"], ["schedule"], ["line", "schedule"]):
             raise ValueError
         return (float(room), float(startup), *how)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: want HEADROOM:STARTUP, then :capacity or :profile, then :line"
-                                         ) from None
+        raise argparse.ArgumentTypeError(f"{text!r}: want HEADROOM:STARTUP, then :capacity or :profile, then :line, "
+                                         "then :schedule") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,10 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--startup", type=float, default=120.0, help="seconds from adding a worker until it serves")
     p.add_argument("--headroom", type=float, default=0.1, help="capacity above the forecast")
     p.add_argument("--variant", action="append", default=[], type=_variant,
-                   metavar="HEADROOM:STARTUP[:profile][:line]",
+                   metavar="HEADROOM:STARTUP[:profile][:line][:schedule]",
                    help="another scaled fleet with this headroom and startup, sized by the planned capacity per "
                         "worker or (':profile') from the profile; ':line': its forecast a line, with no bend, and "
-                        "hysteresis in a decline too (repeatable)")
+                        "hysteresis in a decline too; ':schedule': never below --schedule's pools (repeatable)")
     p.add_argument("--prefill-profile", action="append", default=[], metavar="FILE",
                    help="the same model on another tensor-parallel group: the planned prefill pool may run on it "
                         "(repeatable)")
@@ -269,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: the profile's)")
     p.add_argument("--configs-from", default=None, metavar="RESULTS.json",
                    help="simulate an earlier result's configurations again instead of searching")
+    p.add_argument("--schedule", default=None, metavar="PLAN.json",
+                   help="a `pdserve plan --forecast ... --json` result for this trace's load: one more row, the fleet "
+                        "resized by its schedule")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -279,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                        configs_from=json.loads(Path(args.configs_from).read_text()) if args.configs_from else None,
                        prefill_profiles=tuple(args.prefill_profile), decode_profiles=tuple(args.decode_profile),
                        prefill_inflights=tuple(int(x) for x in args.prefill_inflights.split(",") if x.strip())
-                       or (None,))
+                       or (None,), schedule=json.loads(Path(args.schedule).read_text()) if args.schedule else None)
     print(json.dumps(result["rows"], indent=1))
     print(json.dumps(result["goodput_per_gpu_ratios"]))
     if args.out:

@@ -396,3 +396,38 @@ def test_up_forecast_policy_sizes_from_the_shipped_profile_unless_given_a_capaci
     missing = up("--profile", "/nonexistent/gpu.json")
     assert missing.returncode != 0 and "not found" in missing.stdout + missing.stderr
     assert "Traceback" not in missing.stdout + missing.stderr
+
+
+def test_a_schedule_floor_needs_the_forecast_policy_and_a_plan_file(tmp_path):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "plan.json"
+    bad.write_text("[1, 2]")
+    for flags, says in ((["--policy", "reactive", "--schedule", str(bad)], "--policy forecast"),
+                        (["--policy", "forecast", "--capacity", "2,5", "--schedule", str(bad)], "plan --forecast"),
+                        (["--policy", "forecast", "--capacity", "2,5", "--schedule", str(tmp_path / "none.json")],
+                         "none.json")):
+        proc = subprocess.run([sys.executable, "-m", "services.cli", "planner", "--kube-api", "http://127.0.0.1:1",
+                               *flags], capture_output=True, text=True, timeout=60)
+        assert proc.returncode != 0 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_forecast_policy_with_a_schedule_holds_its_pods_ahead_of_the_load(system):
+    """`pdserve planner --policy forecast --schedule PLAN.json`: no traffic yet, and the replicas are
+    the schedule's for now; a load above it is followed as before."""
+    from services.planner.schedule import Schedule
+
+    kube = system[0]
+    plan = {"recommended": {"mode": "disaggregated"}, "clock": False, "startup_s": 0.0,
+            "periods": [{"start_s": 0.0, "prefill": 4, "decode": 2}]}
+    interval = _forecast_planner(system, startup_s=10.0, history=3, down_after=2, budget=30,
+                                 floor=Schedule(plan, 10.0).floor)
+    interval()
+    assert (kube.replicas["prefill"], kube.replicas["decode"]) == (4, 2)
+    for _ in range(3):
+        interval(100)  # 20 req/s: 10 prefill, 4 decode
+    assert (kube.replicas["prefill"], kube.replicas["decode"]) == (10, 4)
+    for _ in range(8):  # traffic stops: down to the schedule's pods, not the minimum
+        interval()
+    assert (kube.replicas["prefill"], kube.replicas["decode"]) == (4, 2)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.planner.study import run_study
+from services.planner.study import _schedule_scaler, _variant, run_study
 
 ROOFLINE = Path(__file__).parents[2] / "shared/sim/profiles/roofline-llama3-70b-tp8-h100.json"
 
@@ -43,3 +43,55 @@ def test_small_study_the_scaled_fleet_pays_for_less_than_the_peak_and_meets_the_
         assert row["attainment_pct"] >= 95.0, row  # both SLOs together, over the whole run
     ratios = r["goodput_per_gpu_ratios"]
     assert ratios["planned, scaled over the hour_vs_static 1:1"] > ratios["planned_vs_static 1:1"] >= 1.0
+
+
+def test_the_study_runs_a_fleet_resized_by_a_plan_through_a_forecast_of_its_load(tmp_path):
+    """`--schedule`: `pdserve plan --forecast` on the trace's swing (each 150 s's mean rate, the mix
+    from a steady stretch of the same shape), then that schedule on the study's own trace."""
+    import argparse
+    import json
+    import math
+
+    from services.planner.plan import PlanSpec, add_plan_args
+    from services.planner.schedule import plan_forecast
+    from services.planner.study import SCHEDULED
+    from shared.sim.cost import load_profile
+    from shared.sim.workload import mooncake_shaped_trace
+
+    rate, hour = 20.0, 1200.0
+    rows = ["time,rate"]
+    for a in range(0, int(hour), 150):  # the mean of rate·(1 + ½ sin) over each 150 s
+        mean = rate + rate / 2 * (math.cos(2 * math.pi * a / hour) - math.cos(2 * math.pi * (a + 150) / hour)) \
+            * hour / (2 * math.pi * 150)
+        rows.append(f"{a},{mean:.2f}")
+    (tmp_path / "f.csv").write_text("\n".join(rows) + "\n")
+    (tmp_path / "mix.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mooncake_shaped_trace(120.0, rate, 5)))
+    p = argparse.ArgumentParser()
+    add_plan_args(p)
+    args = p.parse_args(["--forecast", str(tmp_path / "f.csv"), "--trace", str(tmp_path / "mix.jsonl"),
+                         "--slo-ttft-p90-ms", "4000", "--slo-itl-p90-ms", "40", "--slo-attainment", "95",
+                         "--budget", "60", "--modes", "disaggregated", "--kv-path", "network", "--startup-s", "60"])
+    spec = PlanSpec(4000, 40, 60, ("disaggregated",), kv_path="network", attainment_pct=95.0)
+    plan = plan_forecast(args, load_profile(ROOFLINE), spec, {}, {})
+    assert plan["verified"]["meets"], plan["verified"]["periods"]
+    peak = plan["recommended"]
+    n = max(peak["prefill"], peak["decode"])
+    static = {"prefill": n, "decode": n, "chunk_budget": None, "prefill_inflight": None}
+    r = run_study(str(ROOFLINE), rate=rate, duration_s=hour, search_s=120.0, slo_ttft_ms=4000, slo_tpot_ms=40,
+                  attainment=95.0, max_workers=60, interval_s=30.0, configs_from={"rows": {"static 1:1": static,
+                                                                                            "planned": peak}},
+                  schedule=plan, variants=((0.0, 60.0, "profile", "schedule"),))
+    row = r["rows"][SCHEDULED]
+    assert row["scaling"]["schedule"] and row["scaling"]["changes"] >= 2
+    assert row["gpus"] < peak["gpus"] < row["max_gpus"] + 1e-9  # it holds the peak's fleet only at the peak
+    assert row["attainment_pct"] >= 95.0, row["slo_attainment"]
+    assert r["goodput_per_gpu_ratios"][f"{SCHEDULED}_vs_static 1:1"] > 1.0
+    # the forecaster with the schedule as its floor holds at least the schedule's pools at every decision
+    floored = r["rows"]["planned, scaled over the hour, sized from the profile (headroom 0, startup 60 s, "
+                        "the forecast plan’s schedule as a floor)"]
+    floor = _schedule_scaler(plan, 30.0).floor
+    assert floored["scaling"]["changes"] >= 2 and floored["attainment_pct"] >= 95.0
+    for t, p, d in floored["scaling"]["log"]:
+        assert p >= floor(t)[0] and d >= floor(t)[1], (t, p, d, floor(t))
+    with pytest.raises(argparse.ArgumentTypeError):
+        _variant("0.1:60:schedule:line")  # the flags in their order: sizer, line, schedule
