@@ -164,6 +164,13 @@ def test_what_is_grown_is_the_pool_that_sets_the_missed_slo_within_the_budget():
     assert _grow_where_missed(r, got, "disaggregated", (4, 8), budget=100)
     assert [(x["prefill"], x["decode"]) for x in r] == [(20, 4), (21, 4), (20, 5), (21, 5)]
     assert [x["gpus"] for x in r[1:]] == [21 * 4 + 32, 20 * 4 + 40, 21 * 4 + 40]
+    # a period's shares of requests within TTFT, TPOT and both, against 95%: where each is met but not
+    # both, the pool nearer its edge is the one grown (at a sustained peak, decode's TPOT)
+    from services.planner.schedule import attained
+
+    assert attained(98.2, 95.1, 93.5, 95.0) == (True, False)
+    assert attained(95.5, 98.0, 94.0, 95.0) == (False, True)
+    assert attained(94.0, 99.0, 94.0, 95.0) == (False, True) and attained(99.0, 99.0, 98.5, 95.0) == (True, True)
     r = rows()  # colocated: one pool sets both
     _grow_where_missed(r, got, "colocated", (0, 8), budget=100)
     assert [(x["prefill"], x["decode"]) for x in r][1:] == [(20, 5), (20, 5), (20, 5)]
