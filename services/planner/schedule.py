@@ -15,12 +15,16 @@ each rate.
        `--startup-s` before it (the workers load their model); one that shrinks drains from the
        start of the smaller period.
     4. Verified (unless `--no-verify`): the whole horizon simulated in one run, the arrivals
-       following the forecast, the pools resized by the schedule, and each period's TTFT p90 and
-       TPOT p90 read from it. The search planned each rate in steady state; this run carries the
-       queues of one period into the next, and pays for the workers while they load.
+       following the forecast, the pools resized by the schedule, and each period's SLOs read from
+       it (its TTFT and TPOT p90s, or with `--slo-attainment` its shares of requests within them).
+       The search planned each rate in steady state from an empty system; this run carries the
+       queues of one period into the next, and pays for the workers while they load. A period that
+       misses gets ~5% more workers in the pool that sets the missed SLO, and the schedule is
+       verified again (`--repair` rounds).
 
 The cost is GPU-hours: the periods' GPUs over their lengths, plus the added workers' loading,
-against the busiest period's configuration held throughout.
+against the busiest period's configuration held throughout. `Schedule` reads a plan back on a
+live clock: the forecast policy's floor (`--schedule`).
 """
 
 from __future__ import annotations
@@ -371,8 +375,8 @@ def verify(args, profile: Profile, shape: dict[str, Any], periods: list[Period],
     main, prefill = pool_profiles(profile, prefill_profiles.get(shape["prefill_profile"]),
                                   decode_profiles.get(shape["decode_profile"]))
     scaler = ScheduleScaler(starts, counts, args.startup_s, interval_s)
-    first = scaler.floor(0.0)  # a fleet already on the schedule: ready for what comes next
-    config = ClusterConfig(mode=shape["mode"], prefill=max(1, first[0]), decode=first[1], kv_path=spec.kv_path,
+    initial = scaler.floor(0.0)  # a fleet already on the schedule: ready for what comes next
+    config = ClusterConfig(mode=shape["mode"], prefill=max(1, initial[0]), decode=initial[1], kv_path=spec.kv_path,
                            max_num_batched_tokens=shape["chunk_budget"], prefill_max_inflight=shape["prefill_inflight"])
     cluster = Cluster(main, config, scaler=scaler, prefill_profile=prefill)
     cluster.run(arrivals)
