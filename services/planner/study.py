@@ -132,8 +132,9 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
               variants: tuple[tuple, ...] = (), configs_from: dict[str, Any] | None = None,
               prefill_profiles: tuple[str, ...] = (), prefill_inflights: tuple[int | None, ...] = (None,),
               decode_profiles: tuple[str, ...] = (), schedule: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`variants`: more (headroom, startup_s[, "capacity" | "profile"][, "line"]) for the scaled fleet, each a row
-    of its own, sized by the planned split's capacity per worker (the default) or by the profile.
+    """`variants`: more (headroom, startup_s[, "capacity" | "profile"][, "line"][, "schedule"]) for the scaled
+    fleet, each a row of its own, sized by the planned split's capacity per worker (the default) or by the
+    profile; "schedule": never below `schedule`'s pools (the forecast policy's floor).
     `configs_from`: an earlier result of the study: its configurations are simulated again without
     the searches (for a change to the scaled fleet's policy, which the searches do not depend on).
     `prefill_profiles`, `decode_profiles`: files of the same model on other tensor-parallel groups,
@@ -171,9 +172,8 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
         # profile sizer prices decode on the decode pool's profile (prefill: by the mix's measured seconds)
         sized = ProfileSizer(pools[dp] if dp else profile, slo_ttft_ms / 1e3, slo_tpot_ms / 1e3, attainment / 100,
                              kv_path="network")
-        runs = [("planned, scaled over the hour", cap, headroom, startup_s, False),
-                ("planned, scaled over the hour, sized from the profile", sized, headroom, startup_s, False)]
-        runs = [(*run, False) for run in runs]
+        runs = [("planned, scaled over the hour", cap, headroom, startup_s, False, False),
+                ("planned, scaled over the hour, sized from the profile", sized, headroom, startup_s, False, False)]
         for room, startup, *how in variants:
             by_profile, line, floored = "profile" in how, "line" in how, "schedule" in how
             if floored and schedule is None:
