@@ -375,14 +375,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          f"prompt and {m['output_tokens']:.0f} output tokens a request (the search began there)")
         lines += [f"  runner-up: {_describe(t)} ({t['why']})" for t in result["runner_ups"]]
     lines += [f"  rejected: {_describe(t)}: {t['why_not']}" for t in result["rejected"][:8]]
-    if args.json == "-":
+    emit(result, lines, args.json)
+    return 0 if rec is not None else 1
+
+
+def emit(result: dict[str, Any], lines: list[str], json_path: str | None) -> None:
+    """The plan's lines to stdout and its JSON to `json_path`; with '-', the JSON to stdout and the
+    lines to stderr."""
+    if json_path == "-":
         print(json.dumps(result, indent=1))
         print("\n".join(lines), file=sys.stderr)
     else:
         print("\n".join(lines))
-        if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    return 0 if rec is not None else 1
+        if json_path:
+            Path(json_path).write_text(json.dumps(result, indent=1) + "\n")
 
 
 def slo_text(spec: PlanSpec, slo_tpot_ms: float | None = None) -> str:

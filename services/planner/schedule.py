@@ -33,7 +33,6 @@ import bisect
 import json
 import logging
 import math
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -472,14 +471,9 @@ def format_forecast(result: dict[str, Any], spec) -> list[str]:
 
 
 def cmd_plan_forecast(args, profile: Profile, spec, prefill_profiles, decode_profiles) -> int:
+    from services.planner.plan import emit
+
     result = plan_forecast(args, profile, spec, prefill_profiles, decode_profiles)
-    lines = format_forecast(result, spec)
-    if args.json == "-":
-        print(json.dumps(result, indent=1))
-        print("\n".join(lines), file=sys.stderr)
-    else:
-        print("\n".join(lines))
-        if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    emit(result, format_forecast(result, spec), args.json)
     return 0 if result.get("recommended") is not None else 1
 
