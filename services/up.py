@@ -6,10 +6,11 @@ servers too, on the same port and state); a child that keeps crashing right afte
 `up` give up with that child's error (exit 1). Ctrl-C / SIGTERM stops everything in reverse order:
 the gateway ends its open streams, the workers drain, then exit 0, no orphans.
 
-Settings resolve as: an explicit flag > the `--preset` (services/presets.py) > today's default, and
-`up` prints each with where it came from; `--dry-run` prints them and every child's command line,
-and starts nothing. `--hosts N` plays N hosts on this machine: a kvstore per host, the workers
-spread over them round-robin. `--autoscale` adds and removes local workers within limits from the
+Settings resolve as: an explicit flag > the `--plan` (a `pdserve plan --json` result: its recommended
+mode, pools, chunk budget and jobs a prefill worker) > the `--preset` (services/presets.py) > today's
+default, and `up` prints each with where it came from; `--dry-run` prints them and every child's
+command line, and starts nothing. `--hosts N` plays N hosts on this machine: a kvstore per host,
+the workers spread over them round-robin. `--autoscale` adds and removes local workers within limits from the
 gateway's metrics (services/planner/autoscale.py), through the same supervisor.
 """
 
@@ -29,7 +30,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.cli_args import add_connection_args, add_engine_args, add_speculative_args, env, speculative_argv
+from shared.cli_args import add_connection_args, add_speculative_args, add_worker_args, env, speculative_argv
 from services.gateway.config import MODES, ROUTERS
 from services.presets import PRESETS
 from services.planner.autoscale import add_autoscale_args, autoscale_config, forecast_scaler, start_autoscaler
@@ -59,9 +60,12 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                         "follow a failover to the replica")
     p.add_argument("--host", default=env("PDSERVE_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(env("PDSERVE_PORT", "8000")))
-    # None below: "not given", resolved after parsing (`resolve_settings`): flag > --preset > default
+    # None below: "not given", resolved after parsing (`resolve_settings`): flag > --plan > --preset > default
     p.add_argument("--preset", default=None, choices=sorted(PRESETS),
                    help="a scenario's bundle of settings (services/presets.py); explicit flags win over it")
+    p.add_argument("--plan", default=None, metavar="PLAN.json",
+                   help="deploy a `pdserve plan --json` result: its recommended mode, pools, chunk budget and jobs a "
+                        "prefill worker (a forecast plan's: its busiest period's); flags win over it, it over --preset")
     p.add_argument("--dry-run", action="store_true",
                    help="print the resolved settings and every child's command line, start nothing")
     p.add_argument("--mode", default=None, choices=MODES,
@@ -75,6 +79,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="every engine's tokens per step: the chunked-prefill budget (default: the worker's)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="every engine's running sequences per step (default: the worker's)")
+    p.add_argument("--max-inflight", type=int, default=None,
+                   help="jobs a prefill worker takes at once; the rest wait in the queue (default: the worker's)")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="the engines' prefix cache (default: on)")
     p.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
@@ -117,9 +123,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
 # worker as worker arguments, the routing ones the gateway as gateway arguments; a setting left at
 # its default is not passed on (the child's own default, environment included, is today's).
 SETTINGS = ("mode", "prefill", "decode", "hosts", "max_num_batched_tokens", "prefix_caching", "chunked_prefill",
-            "speculative", "max_num_seqs", "router", "hot_spot_factor", "conditional_threshold",
+            "speculative", "max_num_seqs", "max_inflight", "router", "hot_spot_factor", "conditional_threshold",
             "conditional_busy_threshold", "conditional_queue_tokens")
-ENGINE_VALUES = ("max_num_batched_tokens", "max_num_seqs")  # passed as --flag VALUE
+ENGINE_VALUES = ("max_num_batched_tokens", "max_num_seqs", "max_inflight")  # passed as --flag VALUE
 ENGINE_SWITCHES = ("prefix_caching", "chunked_prefill")  # passed as --no-flag when off
 GATEWAY_VALUES = ("router", "hot_spot_factor", "conditional_threshold", "conditional_busy_threshold",
                   "conditional_queue_tokens")
@@ -131,7 +137,7 @@ class Setting:
 
     name: str  # the argparse dest
     value: object
-    source: str  # "flag", "preset NAME" or "default"
+    source: str  # "flag", "plan FILE", "preset NAME" or "default"
 
     @property
     def given(self) -> bool:
@@ -148,7 +154,7 @@ def default_settings() -> dict[str, object]:
     from services.gateway.__main__ import build_parser as gateway_parser
 
     engine = argparse.ArgumentParser(add_help=False)
-    add_engine_args(engine)
+    add_worker_args(engine)
     gateway = gateway_parser()
     return {"mode": env("PDSERVE_MODE", "disaggregated"), "prefill": 1, "decode": 1, "hosts": 1,
             "prefix_caching": not engine.get_default("no_prefix_caching"),
@@ -158,18 +164,21 @@ def default_settings() -> dict[str, object]:
 
 
 def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
-    """A copy of `args` with every setting filled in (explicit flag > preset > default) and
+    """A copy of `args` with every setting filled in (explicit flag > plan > preset > default) and
     `settings`, the resolved Settings in print order. Idempotent: a resolved copy comes back as is."""
     if hasattr(args, "settings"):
         return args
     preset = PRESETS[args.preset] if getattr(args, "preset", None) else None
     from_preset = preset.settings() if preset else {}
+    from_plan = plan_settings(args.plan) if getattr(args, "plan", None) else {}
     defaults = default_settings()
     resolved = argparse.Namespace(**vars(args))
     settings = []
     for name in SETTINGS:
         if getattr(args, name, None) is not None:
             setting = Setting(name, getattr(args, name), "flag")
+        elif name in from_plan:
+            setting = Setting(name, from_plan[name], f"plan {Path(args.plan).name}")
         elif name in from_preset:
             setting = Setting(name, from_preset[name], f"preset {preset.name}")
         else:
@@ -181,6 +190,30 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
             raise ValueError(f"--{name} must be at least {least}, got {getattr(resolved, name)}")
     resolved.settings = tuple(settings)
     return resolved
+
+
+def plan_settings(path: str) -> dict[str, object]:
+    """The settings of a `pdserve plan --json` result's recommended configuration (ValueError: a
+    file that is not one, a plan that found none, or one `up` cannot run)."""
+    import json
+
+    from services.planner.plan import deployment
+
+    try:
+        plan = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--plan {path}: cannot read it as a plan ({exc})") from None
+    if not isinstance(plan, dict) or not isinstance(plan.get("recommended", 0), dict | None):
+        raise ValueError(f"--plan {path}: not the JSON of `pdserve plan --json` (no recommended configuration)")
+    if plan["recommended"] is None:
+        raise ValueError(f"--plan {path}: the plan found no configuration that meets its SLOs within its budget; "
+                         "there is nothing to deploy")
+    try:
+        return deployment(plan["recommended"])
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"--plan {path}: its recommended configuration lacks {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"--plan {path}: {exc}") from None
 
 
 def format_settings(args: argparse.Namespace) -> str:

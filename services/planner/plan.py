@@ -375,6 +375,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          f"prompt and {m['output_tokens']:.0f} output tokens a request (the search began there)")
         lines += [f"  runner-up: {_describe(t)} ({t['why']})" for t in result["runner_ups"]]
     lines += [f"  rejected: {_describe(t)}: {t['why_not']}" for t in result["rejected"][:8]]
+    if rec is not None:
+        saved = f"   (or: pdserve up --plan {args.json})" if args.json and args.json != "-" else ""
+        lines.append(f"run it: {up_command(rec)}{saved}")
     emit(result, lines, args.json)
     return 0 if rec is not None else 1
 
@@ -396,6 +399,34 @@ def slo_text(spec: PlanSpec, slo_tpot_ms: float | None = None) -> str:
         return f"TTFT p90 <= {spec.slo_ttft_p90_ms:g} ms, ITL p90 <= {spec.slo_itl_p90_ms:g} ms"
     return (f"TTFT <= {spec.slo_ttft_p90_ms:g} ms and TPOT <= {slo_tpot_ms or spec.slo_itl_p90_ms:g} ms, each and "
             f"both for >= {spec.attainment_pct:g}% of requests")
+
+
+def deployment(rec: dict[str, Any]) -> dict[str, Any]:
+    """`pdserve up`'s settings for a plan's recommended configuration (its JSON's `recommended`): the
+    mode, the pools, the chunk budget and the jobs a prefill worker takes. A pool planned on another
+    profile than the main one (another tensor-parallel group) is not what `pdserve up` runs: ValueError."""
+    for pool in ("prefill", "decode"):
+        if rec.get(f"{pool}_profile"):
+            raise ValueError(f"its {pool} pool was planned on {rec[f'{pool}_profile']}, not on the main profile: "
+                             "`pdserve up` runs every worker as the main profile's engine")
+    out: dict[str, Any] = {"mode": rec["mode"]}
+    if rec["mode"] != "colocated":
+        out["prefill"] = rec["prefill"]
+    out["decode"] = rec["decode"]
+    if rec.get("chunk_budget"):
+        out["max_num_batched_tokens"] = rec["chunk_budget"]
+    if rec.get("prefill_inflight") and rec["mode"] != "colocated":
+        out["max_inflight"] = rec["prefill_inflight"]
+    return out
+
+
+def up_command(rec: dict[str, Any], extra: str = "") -> str:
+    """The `pdserve up` command line that runs `rec` (or why it cannot)."""
+    try:
+        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in deployment(rec).items())
+    except ValueError as exc:
+        return f"not with pdserve up: {exc}"
+    return f"pdserve up {flags}{extra}"
 
 
 def _describe(t: dict[str, Any]) -> str:

@@ -471,9 +471,19 @@ def format_forecast(result: dict[str, Any], spec) -> list[str]:
 
 
 def cmd_plan_forecast(args, profile: Profile, spec, prefill_profiles, decode_profiles) -> int:
-    from services.planner.plan import emit
+    from services.planner.plan import emit, up_command
 
     result = plan_forecast(args, profile, spec, prefill_profiles, decode_profiles)
-    emit(result, format_forecast(result, spec), args.json)
+    lines = format_forecast(result, spec)
+    rec = result.get("recommended")
+    slos = f" --slo-ttft-p90-ms {spec.slo_ttft_p90_ms:g} --slo-itl-p90-ms {spec.slo_itl_p90_ms:g}"
+    if rec is not None and rec["mode"] == "colocated":  # one pool: the forecast policy (and its floor) sizes two
+        lines.append("run it (the busiest period's size, the reactive policy resizing it): " +
+                     up_command(rec, f" --autoscale{slos}"))
+    elif rec is not None:
+        saved = args.json if args.json and args.json != "-" else "PLAN.json"
+        lines.append("run it (the busiest period's shape, each pool never below the schedule): " +
+                     up_command(rec, f" --autoscale --policy forecast --schedule {saved}{slos}"))
+    emit(result, lines, args.json)
     return 0 if result.get("recommended") is not None else 1
 

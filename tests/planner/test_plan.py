@@ -4,6 +4,7 @@ the cheapest the search saw."""
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from dataclasses import replace
@@ -58,7 +59,10 @@ def test_attainment_form_of_the_slos():
         PlanSpec(slo_ttft_p90_ms=0, slo_itl_p90_ms=40, budget=4)
 
 
-def test_plan_cli(tmp_path):
+def test_plan_cli(tmp_path, capsys):
+    from services.cli import main as pdserve
+    from tests.services.test_presets import DryRun
+
     out = tmp_path / "plan.json"
     proc = subprocess.run([sys.executable, "-m", "services.cli", "plan", "--workload", "chat", "--duration", "40",
                            "--request-rate", "0.3", "--slo-ttft-p90-ms", "5000", "--slo-itl-p90-ms", "1000",
@@ -73,6 +77,20 @@ def test_plan_cli(tmp_path):
     if data["recommended"]["mode"] == "disaggregated":  # what `pdserve planner --policy forecast` takes
         cap = data["capacity_rps_per_worker"]
         assert cap["prefill"] > 0 and cap["decode"] > 0 and "--capacity" in proc.stdout
+    # how to run it: the command line printed, and the plan file itself, resolve to what was planned
+    [run] = [line for line in proc.stdout.splitlines() if line.startswith("run it: ")]
+    command, saved = run.removeprefix("run it: ").split("   (or: ")
+    assert saved == f"pdserve up --plan {out})"
+    rec = data["recommended"]
+    for argv, source in ((shlex.split(command)[1:], "flag"), (["up", "--plan", str(out)], f"plan {out.name}")):
+        assert pdserve([*argv, "--dry-run"]) == 0
+        got = DryRun(capsys.readouterr().out)
+        assert got.settings["--mode"] == (rec["mode"], source)
+        assert got.settings["--decode"] == (str(rec["decode"]), source)
+        if rec["mode"] != "colocated":
+            assert got.settings["--prefill"] == (str(rec["prefill"]), source)
+        workers = got.workers()
+        assert len(workers) == rec["decode"] + (rec["prefill"] if rec["mode"] != "colocated" else 0)
 
 
 def test_the_search_starts_where_the_profile_sizer_points_and_finds_what_a_blind_search_finds():
@@ -127,6 +145,13 @@ def test_plan_tries_the_prefill_pool_on_another_tensor_parallel_group_and_ranks_
     # while another worker frees up, so it needs more of them than one that leaves them in the queue
     assert found[(tp4.stem, 8)]["gpus"] > found[(tp4.stem, 2)]["gpus"]
     assert "GPUs" in proc.stdout and "jobs a prefill worker" in proc.stdout
+    # a prefill pool on another tensor-parallel group is not what `pdserve up` runs: said so, not a wrong command
+    run = next(line for line in proc.stdout.splitlines() if line.startswith("run it: "))
+    if rec["prefill_profile"]:
+        assert f"not with pdserve up: its prefill pool was planned on {tp4.stem}" in run
+    else:
+        assert run.startswith(f"run it: pdserve up --mode disaggregated --prefill {rec['prefill']} --decode "
+                              f"{rec['decode']} --max-inflight {rec['prefill_inflight']}")
 
 
 def test_plan_pairs_each_pool_with_each_of_its_profiles(tmp_path):

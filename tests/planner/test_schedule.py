@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import time
 import subprocess
 import sys
@@ -184,12 +185,24 @@ def test_plan_forecast_cli(tmp_path):
     out = tmp_path / "plan.json"
     proc = subprocess.run([sys.executable, "-m", "services.cli", "plan", "--forecast", str(forecast),
                            "--workload", "chat", "--duration", "60", "--slo-ttft-p90-ms", "5000",
-                           "--slo-itl-p90-ms", "1000", "--budget", "4", "--json", str(out)],
+                           "--slo-itl-p90-ms", "1000", "--budget", "4", "--modes", "disaggregated", "--json", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
     assert data["clock"] and len(data["periods"]) == 3 and data["verified"]["requests"] > 0
     assert "08:00" in proc.stdout and "GPU-hours" in proc.stdout and "verified:" in proc.stdout
+    # how to run it: the printed command line is one `pdserve up` takes (the schedule as its floor)
+    [run] = [line for line in proc.stdout.splitlines() if line.startswith("run it")]
+    command = shlex.split(run.split("): ", 1)[1])
+    assert command[:2] == ["pdserve", "up"] and "--autoscale" in command
+    assert ("--schedule" in command) == (data["recommended"]["mode"] != "colocated")
+    if "--schedule" in command:
+        assert command[command.index("--schedule") + 1] == str(out)
+    dry = subprocess.run([sys.executable, "-m", "services.cli", *command[1:], "--dry-run"], capture_output=True,
+                         text=True, timeout=120)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert f"--decode                       {data['recommended']['decode']} " in dry.stdout
+    assert "SLOs: TTFT p90 5000 ms, ITL p90 1000 ms" in dry.stdout  # the autoscaler keeps the plan's SLOs
     bad = _write(tmp_path, "bad.csv", "0,1\n60,oops\n")
     proc = subprocess.run([sys.executable, "-m", "services.cli", "plan", "--forecast", str(bad), "--workload", "chat",
                            "--duration", "60", "--slo-ttft-p90-ms", "5000", "--slo-itl-p90-ms", "1000",

@@ -1,11 +1,12 @@
-"""`pdserve up --preset`, `--router`, `--hosts` and `--dry-run` (services/presets.py, services/up.py).
+"""`pdserve up --preset`, `--plan`, `--router`, `--hosts` and `--dry-run` (services/presets.py, services/up.py).
 
-Fast: `--dry-run` through the CLI prints the resolved settings (flag > preset > default) and every
+Fast: `--dry-run` through the CLI prints the resolved settings (flag > plan > preset > default) and every
 child's command line; the command lines carry the settings. Slow: each preset really starts, becomes
 healthy and answers a chat completion; so does a stack of two played hosts."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -141,7 +142,8 @@ def test_no_preset_is_todays_defaults_and_dry_run_starts_nothing(tmp_path):
     assert {flag: v for flag, (v, _) in out.settings.items()} == {
         "--mode": "disaggregated", "--prefill": "1", "--decode": "1", "--hosts": "1",
         "--max-num-batched-tokens": "512", "--prefix-caching": "on", "--chunked-prefill": "on",
-        "--speculative": "suffix", "--max-num-seqs": "64", "--router": "cache-aware", "--hot-spot-factor": "1.5",
+        "--speculative": "suffix", "--max-num-seqs": "64", "--max-inflight": "4", "--router": "cache-aware",
+        "--hot-spot-factor": "1.5",
         "--conditional-threshold": "256", "--conditional-busy-threshold": "1024", "--conditional-queue-tokens": "4096"}
     assert list(out.children) == ["kvstore", "prefill-0", "decode-0", "gateway"]
     assert "nats-server" in proc.stdout and "valkey-server" in proc.stdout
@@ -149,7 +151,7 @@ def test_no_preset_is_todays_defaults_and_dry_run_starts_nothing(tmp_path):
     assert re.fullmatch(r"kv-up-\d+", store)
     for argv in out.workers().values():
         assert value(argv, "--kvstore") == store and value(argv, "--speculative") == "suffix"
-        assert not {"--max-num-batched-tokens", "--max-num-seqs", "--no-prefix-caching",
+        assert not {"--max-num-batched-tokens", "--max-num-seqs", "--max-inflight", "--no-prefix-caching",
                     "--no-chunked-prefill"} & set(argv)
     gateway = out.children["gateway"]
     assert value(gateway, "--mode") == "disaggregated" and value(gateway, "--expect") == "prefill=1,decode=1,kvstore=1"
@@ -192,6 +194,51 @@ def test_colocated_has_no_kvstore_on_any_number_of_hosts(capsys):
     assert not out.kvstores()
     assert sorted(out.workers()) == ["colocated-0", "colocated-1"]
     assert value(out.children["gateway"], "--expect") == "colocated=2"
+
+
+def test_a_plan_deploys_its_recommended_configuration_between_the_flags_and_the_preset(capsys, tmp_path):
+    """`--plan`: a `pdserve plan --json` result's recommended mode, pools, chunk budget and jobs a prefill
+    worker; an explicit flag wins over it, and it over the preset (which still gives what the plan does not)."""
+    plan = tmp_path / "plan.json"
+    rec = {"mode": "disaggregated", "prefill": 2, "decode": 3, "prefill_profile": None, "decode_profile": None,
+           "chunk_budget": 1024, "prefill_inflight": 2}
+    plan.write_text(json.dumps({"recommended": rec, "runner_ups": []}))
+    out = dry_run(capsys, "--plan", str(plan), "--preset", "chat", "--decode", "1")
+    assert out.settings["--mode"] == ("disaggregated", "plan plan.json")  # not chat's conditional
+    assert out.settings["--prefill"] == ("2", "plan plan.json")
+    assert out.settings["--decode"] == ("1", "flag")
+    assert out.settings["--max-num-batched-tokens"] == ("1024", "plan plan.json")
+    assert out.settings["--max-inflight"] == ("2", "plan plan.json")
+    assert out.settings["--conditional-threshold"] == ("512", "preset chat")
+    assert sorted(out.workers()) == ["decode-0", "prefill-0", "prefill-1"]
+    for argv in out.workers().values():
+        assert value(argv, "--max-inflight") == "2" and value(argv, "--max-num-batched-tokens") == "1024"
+    assert value(out.children["gateway"], "--expect") == "prefill=2,decode=1,kvstore=1"
+    # colocated: one pool; jobs a prefill worker and the chunk budget left to the defaults when the plan has none
+    plan.write_text(json.dumps({"recommended": rec | {"mode": "colocated", "prefill": 0, "chunk_budget": None,
+                                                      "prefill_inflight": None}}))
+    out = dry_run(capsys, "--plan", str(plan))
+    assert sorted(out.workers()) == ["colocated-0", "colocated-1", "colocated-2"]
+    assert out.settings["--max-inflight"] == ("4", "default")
+    assert out.settings["--max-num-batched-tokens"] == ("512", "default")
+
+
+@pytest.mark.parametrize("content, error", [
+    (None, "cannot read it as a plan"),
+    ("not json", "cannot read it as a plan"),
+    ('{"rows": {}}', "not the JSON of `pdserve plan --json`"),
+    ('{"recommended": null, "runner_ups": []}', "the plan found no configuration that meets its SLOs"),
+    ('{"recommended": {"mode": "disaggregated", "prefill": 3, "decode": 1, "prefill_profile": "roofline-tp4"}}',
+     "its prefill pool was planned on roofline-tp4, not on the main profile"),
+    ('{"recommended": {"prefill": 3}}', "its recommended configuration lacks 'mode'"),
+])
+def test_a_plan_that_cannot_be_deployed_is_a_clear_error(capsys, tmp_path, content, error):
+    plan = tmp_path / "plan.json"
+    if content is not None:
+        plan.write_text(content)
+    assert pdserve(["up", "--plan", str(plan), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"--plan {plan}: {error}" in err and "Traceback" not in err
 
 
 def test_bad_hosts_is_a_clear_error(capsys):
