@@ -424,8 +424,8 @@ def add_policy_args(g, what: str, startup_s: float) -> None:
     g.add_argument("--headroom", type=float, default=0.1, help="forecast: capacity above the forecast")
     g.add_argument("--schedule", default=None, metavar="PLAN.json",
                    help=f"forecast: a `pdserve plan --forecast ... --json` result: each pool at least the {what}s "
-                        "its schedule has for now (clock times: this machine's local time), in place a startup "
-                        "ahead; the forecast adds what the plan did not foresee")
+                        "its schedule has for now (clock times: in the plan's --timezone, else this machine's local "
+                        "time), in place a startup ahead; the forecast adds what the plan did not foresee")
 
 
 def forecast_scaler(args, config: AutoscaleConfig, command: str, kv_path: str = "shm") -> ForecastScaler:

@@ -324,6 +324,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="`time,rate` rows (seconds or HH:MM, req/s from then on): plan the busiest period, then "
                         "every other rate with its shape, and print the pools' schedule; the mix is --workload's "
                         "or --trace's, each rate searched on --duration seconds of it")
+    g.add_argument("--timezone", default=None, metavar="ZONE",
+                   help="--forecast in clock times: the IANA zone they are in (Europe/Berlin, UTC …), recorded in "
+                        "the plan for whoever reads it back as a live schedule (default: that machine's local time)")
     g.add_argument("--startup-s", type=float, default=120.0,
                    help="--forecast: seconds from adding a worker until it serves (a pool grows this far ahead)")
     g.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,

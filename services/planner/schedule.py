@@ -35,8 +35,10 @@ import logging
 import math
 import time
 from dataclasses import dataclass, replace
+from datetime import datetime, tzinfo
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import numpy as np
 
@@ -159,11 +161,20 @@ class ScheduleScaler:
         return self.floor(now)  # (what the gateway shows changes nothing)
 
 
+def zone(name: str) -> tzinfo:
+    """The IANA time zone `name` (ValueError: an unknown one)."""
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ValueError(f"--timezone: unknown time zone {name!r} (an IANA name: Europe/Berlin, UTC …)") from None
+
+
 class Schedule:
     """A `pdserve plan --forecast --json` result's pools on the planner's clock, for the forecast
-    policy's floor (`--schedule PLAN.json`): with clock times, by the time of day (this machine's
-    local time), day after day; with seconds, from when the planner started, the last period's
-    pools after the horizon. `floor(now)` ignores `now` (a monotonic clock) and reads its own."""
+    policy's floor (`--schedule PLAN.json`): with clock times, by the time of day in the plan's
+    zone (`--timezone`; without one, this machine's local time), day after day; with seconds, from
+    when the planner started, the last period's pools after the horizon. `floor(now)` ignores `now`
+    (a monotonic clock) and reads its own."""
 
     def __init__(self, plan: dict[str, Any], interval_s: float, wall=time.time, started: float | None = None):
         rows = plan.get("periods") if isinstance(plan, dict) else None
@@ -173,6 +184,7 @@ class Schedule:
         starts = [float(r["start_s"]) for r in rows]
         counts = [(int(r["prefill"]), int(r["decode"])) for r in rows]
         self.clock, self.first, self.wall = bool(plan.get("clock")), starts[0], wall
+        self.tz = zone(plan["timezone"]) if plan.get("timezone") else None
         if self.clock:  # the next day's periods too: a decision before midnight looks past it
             starts, counts = starts + [t + DAY_S for t in starts], counts + counts
         self.started = wall() if started is None else started
@@ -190,8 +202,8 @@ class Schedule:
         now = self.wall()
         if not self.clock:
             return self.first + now - self.started
-        t = time.localtime(now)
-        day_s = t.tm_hour * 3600 + t.tm_min * 60 + t.tm_sec + now % 1
+        t = datetime.fromtimestamp(now, self.tz) if self.tz else datetime.fromtimestamp(now).astimezone()
+        day_s = t.hour * 3600 + t.minute * 60 + t.second + now % 1
         return day_s if day_s >= self.first else day_s + DAY_S
 
     def floor(self, _now: float = 0.0) -> tuple[int, int]:
@@ -249,6 +261,11 @@ def plan_forecast(args, profile: Profile, spec, prefill_profiles: dict[str, Prof
     from services.planner.plan import Planner
 
     periods, is_clock = read_forecast(args.forecast)
+    tz = getattr(args, "timezone", None)
+    if tz is not None:
+        if not is_clock:
+            raise ValueError(f"--timezone: {args.forecast}'s times are seconds, not times of day")
+        zone(tz)  # an unknown zone: an error now, not when the plan is read back
     trace = read_trace(args.trace, time_scale=args.time_scale) if args.trace else None
     if trace is None and args.duration is None and args.num_requests is None:
         raise ValueError("give --duration (or --num-requests): the window each rate is searched on")
@@ -291,7 +308,7 @@ def plan_forecast(args, profile: Profile, spec, prefill_profiles: dict[str, Prof
             row[pool] = max(r[pool] for r in rows if r["rate"] <= row["rate"])
         row["gpus"] = row["prefill"] * per_worker[0] + row["decode"] * per_worker[1]
     horizon_s = periods[-1].end_s - periods[0].start_s
-    result = {"forecast": args.forecast, "clock": is_clock, "recommended": peak, "peak_rate": peak_rate,
+    result = {"forecast": args.forecast, "clock": is_clock, "timezone": tz, "recommended": peak, "peak_rate": peak_rate,
               "startup_s": args.startup_s, "slo_tpot_ms": args.slo_tpot_ms, "periods": rows,
               "peak_held_gpu_hours": peak["gpus"] * horizon_s / 3600, "searched_rates": len(plans), "repairs": 0}
     for repair in range(args.repair + 1 if args.verify else 1):
@@ -432,8 +449,10 @@ def format_forecast(result: dict[str, Any], spec) -> list[str]:
 
     when = _clock if result["clock"] else (lambda s: f"{s:g} s")
     v = result.get("verified")
+    zone_text = (f", times of day in {result['timezone']}" if result.get("timezone") else
+                 ", times of day in the local time of whoever reads it back" if result["clock"] else "")
     lines = [f"pdserve plan --forecast {result['forecast']}: SLOs {slo_text(spec, result.get('slo_tpot_ms'))}; "
-             f"{len(result['periods'])} periods, {result['searched_rates']} rates searched",
+             f"{len(result['periods'])} periods{zone_text}, {result['searched_rates']} rates searched",
              f"the busiest period ({result['peak_rate']:g} req/s): {_describe(result['recommended'])}",
              "  from      req/s   prefill  decode   GPUs   planned TTFT/ITL p90" +
              ("   verified TTFT/TPOT p90" if v else "")]

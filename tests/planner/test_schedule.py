@@ -203,6 +203,21 @@ def test_plan_forecast_cli(tmp_path):
     assert dry.returncode == 0, dry.stdout + dry.stderr
     assert f"--decode                       {data['recommended']['decode']} " in dry.stdout
     assert "SLOs: TTFT p90 5000 ms, ITL p90 1000 ms" in dry.stdout  # the autoscaler keeps the plan's SLOs
+    # the zone of the forecast's times of day is recorded for whoever reads the plan back; a bad one is named
+    zoned = subprocess.run([sys.executable, "-m", "services.cli", "plan", "--forecast", str(forecast), "--workload",
+                            "chat", "--duration", "60", "--slo-ttft-p90-ms", "5000", "--slo-itl-p90-ms", "1000",
+                            "--budget", "4", "--no-verify", "--timezone", "Europe/Berlin", "--json", "-"],
+                           capture_output=True, text=True, timeout=300)
+    assert zoned.returncode == 0 and json.loads(zoned.stdout)["timezone"] == "Europe/Berlin", zoned.stderr
+    assert "times of day in Europe/Berlin" in zoned.stderr
+    assert data["timezone"] is None and "local time of whoever reads it back" in proc.stdout
+    seconds = _write(tmp_path, "secs.csv", "0,1\n60,2\n")
+    for csv, tz, error in ((forecast, "Nowhere/Town", "unknown time zone 'Nowhere/Town'"),
+                           (seconds, "UTC", "times are seconds, not times of day")):
+        proc = subprocess.run([sys.executable, "-m", "services.cli", "plan", "--forecast", str(csv), "--workload",
+                               "chat", "--duration", "60", "--slo-ttft-p90-ms", "5000", "--slo-itl-p90-ms", "1000",
+                               "--budget", "4", "--timezone", tz], capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and error in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     bad = _write(tmp_path, "bad.csv", "0,1\n60,oops\n")
     proc = subprocess.run([sys.executable, "-m", "services.cli", "plan", "--forecast", str(bad), "--workload", "chat",
                            "--duration", "60", "--slo-ttft-p90-ms", "5000", "--slo-itl-p90-ms", "1000",
@@ -266,6 +281,13 @@ def test_a_live_schedule_reads_the_time_of_day_or_the_time_since_it_started(tmp_
     assert s.floor() == (5, 2)
     with pytest.raises(ValueError, match="no periods"):
         Schedule({"recommended": None, "periods": []}, 60.0)
+    # a plan made in a zone reads its times of day there, wherever it is read back (Tokyo: UTC+9, no DST)
+    utc_0830 = 1_780_000_000 - 1_780_000_000 % 86_400 + 8.5 * 3600  # 08:30 UTC on some day
+    for tz, want in (("Asia/Tokyo", (8, 3)), ("UTC", (2, 1)), ("America/Santiago", (1, 1))):
+        now[0] = utc_0830 + 3 * 60  # 08:33 UTC, 17:33 in Tokyo, 04:33 or 05:33 in Santiago
+        assert Schedule(dict(plan, timezone=tz), interval_s=60.0, wall=lambda: now[0]).floor() == want, tz
+    with pytest.raises(ValueError, match="unknown time zone 'Mars/Olympus'"):
+        Schedule(dict(plan, timezone="Mars/Olympus"), 60.0)
     bad = _write(tmp_path, "bad.json", "{\"periods\": [{\"start_s\": 0}], \"recommended\": {}}")
     with pytest.raises(ValueError, match="not a `pdserve plan --forecast` result"):
         Schedule.load(bad, 60.0)
