@@ -1,7 +1,8 @@
 """`pdserve plan`: the cheapest configuration that meets the SLOs, found by simulation.
 
 Inputs: a workload (a bench workload at a rate, or a trace), SLOs on TTFT p90 and ITL p90, and a
-budget (workers = GPUs). The search uses the split the architecture is for — TTFT is mostly the
+budget: workers (`--budget`), GPUs (`--budget-gpus`: each pool's workers counted at their profile's
+GPUs, an answer over it rejected however few workers it has), or both. The search uses the split the architecture is for — TTFT is mostly the
 prefill pool's doing, ITL the decode pool's — so each pool is sized on its own first:
 
     1. P_min: the fewest prefill workers meeting the TTFT SLO with a generous decode pool
@@ -54,6 +55,9 @@ class PlanSpec:
     # with room pulls the next job even while busy, so a deep one queues jobs behind its own long
     # prompts while another worker frees up; a shallow one leaves them in the shared queue
     prefill_inflights: tuple[int | None, ...] = (None,)
+    # GPUs at most, where a worker of each pool may span another number of them (tensor parallel): an
+    # answer over it is rejected, however few workers it has. None: only the workers' budget
+    gpu_budget: float | None = None
 
     def __post_init__(self) -> None:
         if self.slo_ttft_p90_ms <= 0 or self.slo_itl_p90_ms <= 0:
@@ -62,6 +66,11 @@ class PlanSpec:
             raise ValueError("the SLO attainment is a percentage of requests: above 0, at most 100")
         if self.budget < 1 or (self.budget < 2 and "disaggregated" in self.modes and len(self.modes) == 1):
             raise ValueError("the budget must allow at least one worker per pool")
+        if self.gpu_budget is not None and not self.gpu_budget > 0:
+            raise ValueError("the GPU budget must be positive")
+
+    def within(self, gpus: float) -> bool:
+        return self.gpu_budget is None or gpus <= self.gpu_budget + 1e-9
 
 
 @dataclass
@@ -106,6 +115,8 @@ class Trial:
             reasons.append(f"both met by {self.summary['goodput']['attainment_pct']:.1f}% < {spec.attainment_pct:g}%")
         if self.workers > spec.budget:
             reasons.append(f"{self.workers} workers > budget {spec.budget}")
+        if not spec.within(self.gpus):
+            reasons.append(f"{self.gpus:g} GPUs > GPU budget {spec.gpu_budget:g}")
         return "; ".join(reasons) or "meets the SLOs"
 
     def to_json(self) -> dict[str, Any]:
@@ -282,14 +293,15 @@ class Planner:
                              for inflight in self.spec.prefill_inflights]
                 else:
                     found = [self.plan_single_pool(mode, chunk)]
-                best += [t for t in found if t is not None]
+                best += [t for t in found if t is not None and self.spec.within(t.gpus)]
         best.sort(key=lambda t: (t.gpus, -(t.goodput or 0)))
         feasible_ids = {id(t) for t in best}
         tried = sorted(self.trials.values(), key=lambda t: t.gpus)
         rejected = [t.to_json() | {"why_not": t.why_not(self.spec)} for t in tried
-                    if id(t) not in feasible_ids and not t.meets(self.spec)]
+                    if id(t) not in feasible_ids and not (t.meets(self.spec) and self.spec.within(t.gpus))]
         return {"slo": {"ttft_p90_ms": self.spec.slo_ttft_p90_ms, "itl_p90_ms": self.spec.slo_itl_p90_ms},
-                "budget": self.spec.budget, "recommended": best[0].to_json() if best else None,
+                "budget": self.spec.budget, "gpu_budget": self.spec.gpu_budget,
+                "recommended": best[0].to_json() if best else None,
                 "runner_ups": [t.to_json() | {"why": f"{t.gpus - best[0].gpus:g} more GPUs"} for t in best[1:]],
                 "rejected": rejected[:20], "simulations": len(self.trials),
                 "profile_sizer": self.sized.get((best[0].prefill_profile, best[0].decode_profile,
@@ -309,7 +321,11 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                         "pairing with the prefill pool's profiles is searched (repeatable)")
     p.add_argument("--slo-ttft-p90-ms", type=float, required=True)
     p.add_argument("--slo-itl-p90-ms", type=float, required=True)
-    p.add_argument("--budget", type=int, required=True, help="workers at most (answers are ranked by GPUs)")
+    p.add_argument("--budget", type=int, default=None,
+                   help="workers at most (answers are ranked by GPUs; default: as many as --budget-gpus allows)")
+    p.add_argument("--budget-gpus", type=float, default=None,
+                   help="GPUs at most, each pool's workers counted at their profile's GPUs (TP4: 4); an answer "
+                        "over it is rejected however few workers it has")
     p.add_argument("--modes", default="disaggregated,colocated", help="comma list of modes to consider")
     p.add_argument("--chunk-budgets", default="", help="comma list of max tokens per step (default: the profile's)")
     p.add_argument("--prefill-inflights", default="",
@@ -336,17 +352,27 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                         "more workers in the pool that sets it) and verifying again")
 
 
+def worker_budget(args: argparse.Namespace, profiles: list[Profile]) -> int:
+    """`--budget`, else as many workers as `--budget-gpus` holds of the smallest of them."""
+    if args.budget is not None:
+        return args.budget
+    if args.budget_gpus is None:
+        raise ValueError("give a budget: --budget (workers) or --budget-gpus (GPUs)")
+    return int(args.budget_gpus // min(p.limits.gpus_per_worker for p in profiles))
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from services.planner.simulate import request_list
 
     profile = load_profile(args.profile)
-    chunks = tuple(int(x) for x in args.chunk_budgets.split(",") if x.strip()) or (None,)
-    inflights = tuple(int(x) for x in args.prefill_inflights.split(",") if x.strip()) or (None,)
-    spec = PlanSpec(args.slo_ttft_p90_ms, args.slo_itl_p90_ms, args.budget,
-                    tuple(m.strip() for m in args.modes.split(",") if m.strip()), chunks, args.kv_path,
-                    prefill_inflights=inflights, attainment_pct=args.slo_attainment)
     prefill_profiles = {Path(f).stem: load_profile(f) for f in args.prefill_profile}
     decode_profiles = {Path(f).stem: load_profile(f) for f in args.decode_profile}
+    chunks = tuple(int(x) for x in args.chunk_budgets.split(",") if x.strip()) or (None,)
+    inflights = tuple(int(x) for x in args.prefill_inflights.split(",") if x.strip()) or (None,)
+    budget = worker_budget(args, [profile, *prefill_profiles.values(), *decode_profiles.values()])
+    spec = PlanSpec(args.slo_ttft_p90_ms, args.slo_itl_p90_ms, budget,
+                    tuple(m.strip() for m in args.modes.split(",") if m.strip()), chunks, args.kv_path,
+                    prefill_inflights=inflights, attainment_pct=args.slo_attainment, gpu_budget=args.budget_gpus)
     if args.forecast:
         from services.planner.schedule import cmd_plan_forecast
 
@@ -355,8 +381,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result = Planner(profile, spec, lambda: [replace(r) for r in reqs], args.slo_tpot_ms, prefill_profiles,
                      decode_profiles).plan()
     rec = result["recommended"]
+    gpus = f" and {spec.gpu_budget:g} GPUs" if spec.gpu_budget is not None else ""
     lines = [f"pdserve plan: {len(reqs)} requests, SLOs {slo_text(spec, args.slo_tpot_ms)}, budget {spec.budget} "
-             f"workers ({result['simulations']} simulations)"]
+             f"workers{gpus} ({result['simulations']} simulations)"]
     if rec is None:
         lines.append("no configuration within the budget meets the SLOs")
     else:

@@ -288,8 +288,9 @@ def plan_forecast(args, profile: Profile, spec, prefill_profiles: dict[str, Prof
     peak = plan_at(peak_rate, None)
     if peak is None:
         return {"forecast": args.forecast, "peak_rate": peak_rate, "recommended": None,
-                "why": f"no configuration within the budget ({spec.budget} workers) meets the SLOs at "
-                       f"{peak_rate:g} req/s"}
+                "why": f"no configuration within the budget ({spec.budget} workers"
+                       + (f", {spec.gpu_budget:g} GPUs" if spec.gpu_budget is not None else "")
+                       + f") meets the SLOs at {peak_rate:g} req/s"}
     per_worker = _gpus_per_worker(peak, profile, prefill_profiles, decode_profiles)
     rows = []
     for p in periods:
@@ -313,7 +314,7 @@ def plan_forecast(args, profile: Profile, spec, prefill_profiles: dict[str, Prof
               "peak_held_gpu_hours": peak["gpus"] * horizon_s / 3600, "searched_rates": len(plans), "repairs": 0}
     for repair in range(args.repair + 1 if args.verify else 1):
         if repair and not _grow_where_missed(rows, result["verified"]["periods"], peak["mode"], per_worker,
-                                             spec.budget):
+                                             spec.budget, spec.gpu_budget):
             break
         result["repairs"] = repair
         result |= _schedule(rows, per_worker, args.startup_s, is_clock)
@@ -352,10 +353,11 @@ def _schedule(rows: list[dict[str, Any]], per_worker: tuple[int, int], startup_s
 
 
 def _grow_where_missed(rows: list[dict[str, Any]], got: list[dict[str, Any]], mode: str,
-                       per_worker: tuple[int, int], budget: int) -> bool:
+                       per_worker: tuple[int, int], budget: int, gpu_budget: float | None = None) -> bool:
     """Each period the verification found missing an SLO gets ~5% more workers in the pool that sets
-    it (TTFT: prefill, or a colocated pool; TPOT: decode), within the budget; whether any grew. (A
-    period's misses may be its predecessor's backlog: the searches planned each rate from empty.)"""
+    it (TTFT: prefill, or a colocated pool; TPOT: decode), within the budget (workers, and GPUs if
+    given); whether any grew. (A period's misses may be its predecessor's backlog: the searches
+    planned each rate from empty.)"""
     grew = False
     for row, g in zip(rows, got):
         if g["meets"]:
@@ -363,6 +365,9 @@ def _grow_where_missed(rows: list[dict[str, Any]], got: list[dict[str, Any]], mo
         pools = {"decode" if mode == "colocated" else "prefill"} if not g["ttft_ok"] else set()
         for pool in pools | ({"decode"} if not g["tpot_ok"] else set()):
             more = min(max(1, math.ceil(row[pool] * 0.05)), budget - row["prefill"] - row["decode"])
+            if gpu_budget is not None:
+                gpus = row["prefill"] * per_worker[0] + row["decode"] * per_worker[1]
+                more = min(more, int((gpu_budget - gpus) // per_worker[pool == "decode"]))
             if more > 0:
                 row[pool] += more
                 row["repaired"] = row.get("repaired", 0) + 1

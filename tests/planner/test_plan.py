@@ -49,6 +49,37 @@ def test_plan_says_so_when_the_budget_is_too_small():
     assert result["rejected"]
 
 
+def test_a_gpu_budget_rejects_an_answer_over_it_however_few_workers_it_has():
+    """`--budget-gpus`: workers of 4 GPUs each (a TP4 group, say). The answer within the workers'
+    budget but over the GPUs' is rejected, and says why; at exactly its GPUs it stands."""
+    import argparse
+
+    from services.planner.plan import worker_budget
+
+    four = replace(PROFILE, limits=replace(PROFILE.limits, gpus_per_worker=4))
+    reqs = list(poisson_requests("long-doc", 6.0, 0, num_requests=150, output_tokens=(16, 48)))
+    spec = PlanSpec(slo_ttft_p90_ms=1500, slo_itl_p90_ms=40, budget=16, modes=("disaggregated",))
+
+    def plan(gpu_budget):
+        return Planner(four, replace(spec, gpu_budget=gpu_budget), lambda: [replace(r) for r in reqs]).plan()
+
+    free = plan(None)["recommended"]
+    assert free is not None and free["gpus"] == pytest.approx(4 * free["workers"]) and free["workers"] < spec.budget
+    exact = plan(free["gpus"])
+    assert exact["recommended"] == free and exact["gpu_budget"] == free["gpus"]
+    tight = plan(free["gpus"] - 1)
+    assert tight["recommended"] is None
+    assert any(r["why_not"] == f"{free['gpus']:g} GPUs > GPU budget {free['gpus'] - 1:g}" for r in tight["rejected"])
+    # the CLI: workers at most what the GPUs hold of the smallest worker, unless --budget says
+    args = argparse.Namespace(budget=None, budget_gpus=30.0)
+    assert worker_budget(args, [four, PROFILE]) == 30 and worker_budget(args, [four]) == 7
+    assert worker_budget(argparse.Namespace(budget=5, budget_gpus=30.0), [four]) == 5
+    with pytest.raises(ValueError, match="--budget .workers. or --budget-gpus"):
+        worker_budget(argparse.Namespace(budget=None, budget_gpus=None), [four])
+    with pytest.raises(ValueError, match="GPU budget must be positive"):
+        replace(spec, gpu_budget=0)
+
+
 def test_attainment_form_of_the_slos():
     spec = PlanSpec(slo_ttft_p90_ms=1500, slo_itl_p90_ms=40, budget=16, modes=("disaggregated",),
                     attainment_pct=95.0)

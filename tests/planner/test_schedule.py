@@ -178,6 +178,10 @@ def test_what_is_grown_is_the_pool_that_sets_the_missed_slo_within_the_budget():
     r = rows()  # nothing beyond the budget
     assert not _grow_where_missed(r, got, "disaggregated", (4, 8), budget=24)
     assert all((x["prefill"], x["decode"]) == (20, 4) for x in r)
+    r = rows()  # nor beyond the GPU budget: 112 GPUs, 4 free: one more prefill worker fits, no decode one
+    assert _grow_where_missed(r, got, "disaggregated", (4, 8), budget=100, gpu_budget=116)
+    assert [(x["prefill"], x["decode"]) for x in r] == [(20, 4), (21, 4), (20, 4), (21, 4)]
+    assert max(x["gpus"] for x in r) <= 116
 
 
 def test_plan_forecast_cli(tmp_path):
