@@ -10,8 +10,8 @@ Settings resolve as: an explicit flag > the `--plan` (a `pdserve plan --json` re
 mode, pools, chunk budget and jobs a prefill worker) > the `--preset` (services/presets.py) > today's
 default, and `up` prints each with where it came from; `--dry-run` prints them and every child's
 command line, and starts nothing. `--hosts N` plays N hosts on this machine: a kvstore per host,
-the workers spread over them round-robin. `--autoscale` adds and removes local workers within limits from the
-gateway's metrics (services/planner/autoscale.py), through the same supervisor.
+the workers spread over them round-robin. `--autoscale` adds and removes local workers within
+limits from the gateway's metrics (services/planner/autoscale.py), through the same supervisor.
 """
 
 from __future__ import annotations
@@ -210,8 +210,10 @@ def plan_settings(path: str) -> dict[str, object]:
                          "there is nothing to deploy")
     try:
         return deployment(plan["recommended"])
-    except (KeyError, TypeError) as exc:
+    except KeyError as exc:
         raise ValueError(f"--plan {path}: its recommended configuration lacks {exc}") from None
+    except TypeError as exc:
+        raise ValueError(f"--plan {path}: its recommended configuration is malformed ({exc})") from None
     except ValueError as exc:
         raise ValueError(f"--plan {path}: {exc}") from None
 

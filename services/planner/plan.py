@@ -2,8 +2,9 @@
 
 Inputs: a workload (a bench workload at a rate, or a trace), SLOs on TTFT p90 and ITL p90, and a
 budget: workers (`--budget`), GPUs (`--budget-gpus`: each pool's workers counted at their profile's
-GPUs, an answer over it rejected however few workers it has), or both. The search uses the split the architecture is for — TTFT is mostly the
-prefill pool's doing, ITL the decode pool's — so each pool is sized on its own first:
+GPUs, an answer over it rejected however few workers it has), or both. The search uses the split
+the architecture is for — TTFT is mostly the prefill pool's doing, ITL the decode pool's — so each
+pool is sized on its own first:
 
     1. P_min: the fewest prefill workers meeting the TTFT SLO with a generous decode pool
     2. D_min: the fewest decode workers meeting the ITL SLO with a generous prefill pool

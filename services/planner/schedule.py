@@ -309,8 +309,8 @@ def plan_forecast(args, profile: Profile, spec, prefill_profiles: dict[str, Prof
             row[pool] = max(r[pool] for r in rows if r["rate"] <= row["rate"])
         row["gpus"] = row["prefill"] * per_worker[0] + row["decode"] * per_worker[1]
     horizon_s = periods[-1].end_s - periods[0].start_s
-    result = {"forecast": args.forecast, "clock": is_clock, "timezone": tz, "recommended": peak, "peak_rate": peak_rate,
-              "startup_s": args.startup_s, "slo_tpot_ms": args.slo_tpot_ms, "periods": rows,
+    result = {"forecast": args.forecast, "clock": is_clock, "timezone": tz, "recommended": peak,
+              "peak_rate": peak_rate, "startup_s": args.startup_s, "slo_tpot_ms": args.slo_tpot_ms, "periods": rows,
               "peak_held_gpu_hours": peak["gpus"] * horizon_s / 3600, "searched_rates": len(plans), "repairs": 0}
     for repair in range(args.repair + 1 if args.verify else 1):
         if repair and not _grow_where_missed(rows, result["verified"]["periods"], peak["mode"], per_worker,
@@ -367,7 +367,7 @@ def _grow_where_missed(rows: list[dict[str, Any]], got: list[dict[str, Any]], mo
             more = min(max(1, math.ceil(row[pool] * 0.05)), budget - row["prefill"] - row["decode"])
             if gpu_budget is not None:
                 gpus = row["prefill"] * per_worker[0] + row["decode"] * per_worker[1]
-                more = min(more, int((gpu_budget - gpus) // per_worker[pool == "decode"]))
+                more = min(more, int((gpu_budget - gpus) // per_worker[1 if pool == "decode" else 0]))
             if more > 0:
                 row[pool] += more
                 row["repaired"] = row.get("repaired", 0) + 1
