@@ -185,6 +185,9 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
             setting = Setting(name, defaults[name], "default")
         setattr(resolved, name, setting.value)
         settings.append(setting)
+    for name in ("slo_ttft_p90_ms", "slo_itl_p90_ms"):  # (`--autoscale`'s; not printed among the settings)
+        if getattr(resolved, name, 0) is None and name in from_plan:
+            setattr(resolved, name, from_plan[name])
     for name, least in (("prefill", 0), ("decode", 1), ("hosts", 1)):
         if getattr(resolved, name) < least:
             raise ValueError(f"--{name} must be at least {least}, got {getattr(resolved, name)}")
@@ -193,8 +196,9 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def plan_settings(path: str) -> dict[str, object]:
-    """The settings of a `pdserve plan --json` result's recommended configuration (ValueError: a
-    file that is not one, a plan that found none, or one `up` cannot run)."""
+    """The settings of a `pdserve plan --json` result's recommended configuration, and the SLOs it
+    was planned for (ValueError: a file that is not one, a plan that found none, or one `up` cannot
+    run)."""
     import json
 
     from services.planner.plan import deployment
@@ -209,13 +213,18 @@ def plan_settings(path: str) -> dict[str, object]:
         raise ValueError(f"--plan {path}: the plan found no configuration that meets its SLOs within its budget; "
                          "there is nothing to deploy")
     try:
-        return deployment(plan["recommended"])
+        settings = deployment(plan["recommended"])
     except KeyError as exc:
         raise ValueError(f"--plan {path}: its recommended configuration lacks {exc}") from None
     except TypeError as exc:
         raise ValueError(f"--plan {path}: its recommended configuration is malformed ({exc})") from None
     except ValueError as exc:
         raise ValueError(f"--plan {path}: {exc}") from None
+    slo = plan.get("slo")  # what the plan was made for: the autoscaler's SLOs, unless given
+    if isinstance(slo, dict):
+        settings |= {f"slo_{k}": float(v) for k, v in slo.items() if k in ("ttft_p90_ms", "itl_p90_ms")
+                     and isinstance(v, int | float)}
+    return settings
 
 
 def format_settings(args: argparse.Namespace) -> str:

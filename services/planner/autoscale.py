@@ -461,8 +461,9 @@ def add_limit_args(g, max_per_pool: int, what: str) -> None:
     g.add_argument("--budget", type=int, default=None,
                    help=f"prefill + decode {what} at most, draining ones included (default: max-prefill + max-decode)")
     g.add_argument("--autoscale-interval", type=float, default=5.0, help="seconds between decisions")
-    g.add_argument("--slo-ttft-p90-ms", type=float, default=2000.0)
-    g.add_argument("--slo-itl-p90-ms", type=float, default=250.0)
+    g.add_argument("--slo-ttft-p90-ms", type=float, default=None,
+                   help="default: 2000 (`pdserve up --plan`: the plan's)")
+    g.add_argument("--slo-itl-p90-ms", type=float, default=None, help="default: 250 (`pdserve up --plan`: the plan's)")
 
 
 def limits_config(args, *, colocated: bool = False, started: tuple[int, int] = (0, 0)) -> AutoscaleConfig:
@@ -471,11 +472,12 @@ def limits_config(args, *, colocated: bool = False, started: tuple[int, int] = (
         raise ValueError("--schedule is a floor under the forecast policy: give --policy forecast")
     max_prefill = 0 if colocated else max(args.max_prefill, started[0])
     max_decode = max(args.max_decode, started[1])
+    ttft_ms, itl_ms = (default if given is None else given for given, default in
+                       ((args.slo_ttft_p90_ms, 2000.0), (args.slo_itl_p90_ms, 250.0)))
     return AutoscaleConfig(min_prefill=0 if colocated else args.min_prefill, max_prefill=max_prefill,
                            min_decode=args.min_decode, max_decode=max_decode,
                            budget=args.budget or max_prefill + max_decode, colocated=colocated,
-                           interval_s=args.autoscale_interval, slo_ttft_p90_s=args.slo_ttft_p90_ms / 1e3,
-                           slo_itl_p90_s=args.slo_itl_p90_ms / 1e3)
+                           interval_s=args.autoscale_interval, slo_ttft_p90_s=ttft_ms / 1e3, slo_itl_p90_s=itl_ms / 1e3)
 
 
 def autoscale_config(args) -> AutoscaleConfig:

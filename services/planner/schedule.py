@@ -310,6 +310,7 @@ def plan_forecast(args, profile: Profile, spec, prefill_profiles: dict[str, Prof
         row["gpus"] = row["prefill"] * per_worker[0] + row["decode"] * per_worker[1]
     horizon_s = periods[-1].end_s - periods[0].start_s
     result = {"forecast": args.forecast, "clock": is_clock, "timezone": tz, "recommended": peak,
+              "slo": {"ttft_p90_ms": spec.slo_ttft_p90_ms, "itl_p90_ms": spec.slo_itl_p90_ms},
               "peak_rate": peak_rate, "startup_s": args.startup_s, "slo_tpot_ms": args.slo_tpot_ms, "periods": rows,
               "peak_held_gpu_hours": peak["gpus"] * horizon_s / 3600, "searched_rates": len(plans), "repairs": 0}
     for repair in range(args.repair + 1 if args.verify else 1):

@@ -214,6 +214,12 @@ def test_a_plan_deploys_its_recommended_configuration_between_the_flags_and_the_
     for argv in out.workers().values():
         assert value(argv, "--max-inflight") == "2" and value(argv, "--max-num-batched-tokens") == "1024"
     assert value(out.children["gateway"], "--expect") == "prefill=2,decode=1,kvstore=1"
+    # the autoscaler keeps the SLOs the plan was made for, unless they are given
+    plan.write_text(json.dumps({"recommended": rec, "slo": {"ttft_p90_ms": 1500.0, "itl_p90_ms": 80.0}}))
+    assert "(SLOs: TTFT p90 1500 ms, ITL p90 80 ms)" in dry_run(capsys, "--plan", str(plan), "--autoscale").text
+    assert "(SLOs: TTFT p90 1500 ms, ITL p90 60 ms)" in dry_run(capsys, "--plan", str(plan), "--autoscale",
+                                                                "--slo-itl-p90-ms", "60").text
+    assert "(SLOs: TTFT p90 2000 ms, ITL p90 250 ms)" in dry_run(capsys, "--autoscale").text
     # colocated: one pool; jobs a prefill worker and the chunk budget left to the defaults when the plan has none
     plan.write_text(json.dumps({"recommended": rec | {"mode": "colocated", "prefill": 0, "chunk_budget": None,
                                                       "prefill_inflight": None}}))
