@@ -26,13 +26,14 @@ def _need(tool: str) -> str:
     return path
 
 
-def _load(url: str, stop: threading.Event) -> None:
+def _load(url: str, stop: threading.Event, answered: threading.Event) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Describe a river."}], "max_tokens": 48,
             "ignore_eos": True, "temperature": 0.7, "stream": True}
     while not stop.is_set():
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
             for _ in r.iter_lines():
                 pass
+        answered.set()
 
 
 def panels(dom: str) -> dict[str, str]:
@@ -45,12 +46,15 @@ def panels(dom: str) -> dict[str, str]:
 
 def test_dashboard_in_headless_chromium_under_load(disagg, tmp_path):
     chromium = _need("chromium")
-    stop = threading.Event()
-    threads = [threading.Thread(target=_load, args=(disagg, stop), daemon=True) for _ in range(6)]
+    stop, answered = threading.Event(), threading.Event()
+    threads = [threading.Thread(target=_load, args=(disagg, stop, answered), daemon=True) for _ in range(6)]
     for t in threads:
         t.start()
     try:
-        time.sleep(3)  # the load is running
+        # the load is running, and streams have ended (so there are token gaps to show): on a busy machine a
+        # fresh stack's first answers took longer than the fixed 3 s this waited, and the ITL panel was empty
+        assert answered.wait(120), "no stream ended within 2 minutes under load"
+        time.sleep(3)
         shot = tmp_path / "dashboard.png"
         common = [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,1300",
                   "--enable-logging=stderr", "--v=0", "--virtual-time-budget=16000"]
