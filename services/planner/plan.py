@@ -362,6 +362,15 @@ COLOCATED_ON_CPU = ("the simulator's colocated mode is not calibrated on a CPU h
                     "cores; the profile was fitted on a disaggregated stack): check this answer with pdserve bench")
 
 
+def add_caveat(result: dict[str, Any], lines: list[str], profile: Profile) -> None:
+    """What a plan's answer needs said beside it, in its JSON and its lines: a colocated answer on a
+    CPU profile (COLOCATED_ON_CPU)."""
+    rec = result.get("recommended")
+    if rec is not None and rec["mode"] == "colocated" and profile.meta.get("device") == "cpu":
+        result["caveat"] = COLOCATED_ON_CPU
+        lines.append(f"note: {COLOCATED_ON_CPU}")
+
+
 def host_cores(profile: Profile) -> int | None:
     """The cores of the host a CPU profile was measured on (`pdserve profile` records them); None for
     a GPU profile. Its engines share those cores: the simulator models one prefill and one decode
@@ -430,9 +439,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          f"prompt and {m['output_tokens']:.0f} output tokens a request (the search began there)")
         lines += [f"  runner-up: {_describe(t)} ({t['why']})" for t in result["runner_ups"]]
     lines += [f"  rejected: {_describe(t)}: {t['why_not']}" for t in result["rejected"][:8]]
-    if rec is not None and rec["mode"] == "colocated" and profile.meta.get("device") == "cpu":
-        result["caveat"] = COLOCATED_ON_CPU
-        lines.append(f"note: {COLOCATED_ON_CPU}")
+    add_caveat(result, lines, profile)
     if rec is not None:
         saved = f"   (or: pdserve up --plan {args.json})" if args.json and args.json != "-" else ""
         lines.append(f"run it: {up_command(rec)}{saved}")

@@ -496,16 +496,14 @@ def format_forecast(result: dict[str, Any], spec) -> list[str]:
 
 
 def cmd_plan_forecast(args, profile: Profile, spec, prefill_profiles, decode_profiles) -> int:
-    from services.planner.plan import COLOCATED_ON_CPU, emit, up_command
+    from services.planner.plan import add_caveat, emit, up_command
 
     result = plan_forecast(args, profile, spec, prefill_profiles, decode_profiles)
     lines = format_forecast(result, spec)
     rec = result.get("recommended")
     slos = f" --slo-ttft-p90-ms {spec.slo_ttft_p90_ms:g} --slo-itl-p90-ms {spec.slo_itl_p90_ms:g}"
+    add_caveat(result, lines, profile)
     if rec is not None and rec["mode"] == "colocated":  # one pool: the forecast policy (and its floor) sizes two
-        if profile.meta.get("device") == "cpu":
-            result["caveat"] = COLOCATED_ON_CPU
-            lines.append(f"note: {COLOCATED_ON_CPU}")
         lines.append("run it (the busiest period's size, the reactive policy resizing it): " +
                      up_command(rec, f" --autoscale{slos}"))
     elif rec is not None:
