@@ -50,7 +50,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, cores: CoreShare | None = None, borrow_from: int = 1):
         self.engine = engine
         self.cores = cores  # lend this engine's cores to the others on the host while idle
-        self.borrow_from = borrow_from  # … and borrow theirs for steps of at least this many sequences
+        self.borrow_from = borrow_from  # … and borrow theirs for steps of this many sequences, or a prompt's
         self._streams: dict[str, RequestStream] = {}
         self._commands: list[Callable[[], None]] = []
         self._wake = asyncio.Event()
@@ -185,7 +185,10 @@ class AsyncEngine:
         if self.cores is not None:
             self.cores.set_busy(True)
             sched = self.engine.scheduler
-            threads = self.cores.threads() if sched.num_unfinished >= self.borrow_from else self.cores.share
+            # a lone decode stream gains nothing from more threads; a prompt's chunk does, in any role
+            wide = sched.num_unfinished >= self.borrow_from or any(
+                s.num_new_tokens > 1 for s in (*sched.running, *sched.waiting))
+            threads = self.cores.threads() if wide else self.cores.share
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
         return self.engine.step()

@@ -59,3 +59,34 @@ async def test_the_engine_steps_on_borrowed_cores_and_lends_its_own_when_idle(tm
         stop.set()
         await loop
         torch.set_num_threads(before)
+
+
+async def test_a_decode_role_engine_borrows_for_a_prompt_but_not_for_a_lone_stream(tmp_path):
+    """borrow_from=2 (decode and colocated workers): a batch-1 decode step keeps to its own share,
+    a step that computes a prompt's chunk borrows the idle neighbour's core (a colocated engine's
+    lone long prompt would otherwise prefill on half the host)."""
+    path = tmp_path / "cores"
+    CoreShare(path, 1, 1)  # an idle worker beside this one
+    threads_in_steps = []
+    engine = make_engine()
+    step = engine.step
+
+    def recording_step():
+        sched = engine.scheduler
+        prefilling = any(s.num_new_tokens > 1 for s in (*sched.running, *sched.waiting))
+        threads_in_steps.append((prefilling, torch.get_num_threads()))
+        return step()
+
+    engine.step = recording_step
+    async_engine = AsyncEngine(engine, CoreShare(path, 0, 1), borrow_from=2)
+    before = torch.get_num_threads()
+    stop = asyncio.Event()
+    loop = asyncio.create_task(async_engine.run(stop))
+    try:
+        tokens, _ = await collect(async_engine.add_request("a", prompts([9])[0], SamplingParams(temperature=0, max_tokens=4)))
+        assert len(tokens) == 4
+        assert set(threads_in_steps) == {(True, 2), (False, 1)}
+    finally:
+        stop.set()
+        await loop
+        torch.set_num_threads(before)
