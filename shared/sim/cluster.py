@@ -19,12 +19,11 @@ takes jobs `startup_s` later (its model loading); a worker removed drains — it
 finishes what it holds, then leaves. Cost is GPU time over each worker's life, so a fleet that
 follows the load is charged for the workers it had, when it had them.
 
-Pools on one host's cores (a CPU profile, `Profile.unlent`) lend them while idle, as `pdserve up`'s
-engines do: a prefill step is slower while a decode worker holds sequences, a decode step of two or
-more while a prefill step runs; a decode span in flight is cut where the cores change hands. A real
-worker takes its threads as a step begins and keeps them to its end, so a prefill step begun on
-borrowed cores runs at the unlent pace while a decode worker holds sequences (its second thread, at
-nice 10, shares a core with the decode worker's), and at the lent pace again once none does.
+Engines on one CPU host (a CPU profile) share its cores as `pdserve up`'s do (shared/sim/cores.py):
+each has a share, idle ones lend theirs, and a step's pace follows the cores it gets. A real worker
+takes its threads as a step begins and keeps them to its end; when engines begin or cease to hold
+sequences the cores are divided anew: a step with a prompt's chunk in flight goes on at its new
+pace, a decode step (or a decode span, cut there) at its next step.
 
 The prefill pool may run on a profile of its own (`Cluster(prefill_profile=...)`: the same model on
 another tensor-parallel group, say): its workers' steps, KV writes and GPUs come from it, and
@@ -45,6 +44,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from shared.sim.cores import HostCores
 from shared.sim.cost import Profile
 from shared.sim.engine import SimEngine, SimSeq
 from shared.sim.metrics import Recorder
@@ -174,11 +174,10 @@ class Cluster:
             self.prefill_pool = [self._new_worker("prefill", 0.0) for _ in range(config.prefill)]
             self.decode_pool = [self._new_worker("decode", 0.0) for _ in range(config.decode)]
         self.max_inflight = config.prefill_max_inflight or lim.prefill_max_inflight
-        # pools on one host's cores, lending them while idle (Profile.unlent); None: nothing shared
-        self.unlent = profile.unlent if config.mode != "colocated" and profile.unlent != (1.0, 1.0) else None
-        self.prefilling = False  # a prefill step in flight (decode cannot borrow its cores)
-        self.decoding = False  # a decode worker holds sequences (a prefill step begun now cannot borrow)
-        self.lent_steps: dict[SimEngine, None] = {}  # prefill workers whose step began on borrowed cores
+        # the engines on one CPU host's cores, lending them while idle (shared/sim/cores.py); None: a
+        # GPU each, nothing shared
+        self.host = HostCores(profile.host_cores() or 2, config.num_workers, profile.unlent) \
+            if profile.meta.get("device") == "cpu" or profile.unlent != (1.0, 1.0) else None
         self.cache = PrefixCache(self._cache_capacity()) if config.prefix_caching else None
         self.kind_names = list(kinds)
         self.kind_ids = {k: i for i, k in enumerate(self.kind_names)}
@@ -262,8 +261,8 @@ class Cluster:
                 self._tick(t)
             elif typ == READY:
                 self._ready(a, b, t)
-            if self.unlent is not None:
-                self._lend(t)
+            if self.host is not None:
+                self._share_cores(t)
             if check_every and self.events % check_every == 0:
                 self.check_invariants()
             if self.events > self.max_events:
@@ -389,47 +388,43 @@ class Cluster:
     # --------------------------------------------------------------------------------- events
 
     def _plan(self, w: SimEngine, t: float) -> None:
-        unlent = 1.0
-        if self.unlent is not None:  # can it borrow the other pool's cores for this step?
-            if w.role == "prefill":
-                unlent = self.unlent[0] if self._decode_holds() else 1.0
-            elif any(p.busy for p in self.prefill_pool):
-                unlent = self.unlent[1]
-        end = w.plan(t, unlent)
+        factors = (1.0, 1.0)
+        host = self.host
+        if host is not None and w.num_requests:  # its threads: its share, and the idle engines' it may borrow
+            idle = sum(not (e.busy or e.num_requests) for e in self.prefill_pool + self.decode_pool if e is not w)
+            w.threads = host.step_threads(w.role, w.num_requests, w.prefilling(), idle)
+            factors = host.factors(w.role, w.num_requests, host.allocate(self._holding() | {w: w.threads})[w])
+        end = w.plan(t, factors)
         if end is not None:
             self._push(end, STEP, w, w.version)
-        if w.role == "prefill" and self.unlent is not None:
-            if end is not None and unlent == 1.0:
-                self.lent_steps[w] = None
+
+    def _holding(self) -> dict[SimEngine, int]:
+        """The engines holding sequences, and the threads of each one's step (its share between steps)."""
+        share = self.host.share
+        return {w: w.threads if w.busy else share for w in self.prefill_pool + self.decode_pool
+                if w.busy or w.num_requests}
+
+    def _share_cores(self, t: float) -> None:
+        """Engines began or ceased to hold sequences, or a step began on other threads: the cores are
+        divided anew, and the steps in flight go on at their new pace (a decode span is cut at its
+        next step, and planned again there)."""
+        host = self.host
+        holding = self._holding()
+        if holding == host.holding:
+            return
+        host.holding = holding
+        cores = host.allocate(holding)
+        for w in holding:
+            if not w.busy:
+                continue
+            factors = host.factors(w.role, w.num_requests, cores[w])
+            if w.span is not None:
+                if factors[1] != w.span.slow:
+                    self._cut(w, t)
             else:
-                self.lent_steps.pop(w, None)
-
-    def _decode_holds(self) -> bool:
-        """A decode worker holds sequences (so its core is not lent: shared/engine/cores.py)."""
-        return any(d.busy or d.num_requests for d in self.decode_pool)
-
-    def _lend(self, t: float) -> None:
-        """A prefill step began with none in flight, or the last one ended: decode spans end at their
-        next step, and go on at the speed of their cores now. A decode worker took sequences with
-        none held, or gave its last one back: prefill steps begun on borrowed cores go on at the
-        speed of those cores now (shared with the decode worker's thread, or free again)."""
-        prefilling = any(p.busy for p in self.prefill_pool)
-        if prefilling != self.prefilling:
-            self.prefilling = prefilling
-            for d in self.decode_pool:
-                if d.span is not None and d.span.batch >= 2:
-                    self._cut(d, t)
-        decoding = self._decode_holds()
-        if decoding != self.decoding:
-            self.decoding = decoding
-            slow = self.unlent[0] if decoding else 1.0
-            for p in list(self.lent_steps):
-                if not p.busy:
-                    del self.lent_steps[p]
-                    continue
-                end = p.retime(t, slow)
+                end = w.retime(t, factors)
                 if end is not None:
-                    self._push(end, STEP, p, p.version)
+                    self._push(end, STEP, w, w.version)
 
     def _cut(self, w: SimEngine, t: float) -> None:
         """Something changed for `w`'s span in flight (a sequence joins, its cores are lent or

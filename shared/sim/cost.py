@@ -8,7 +8,8 @@ steps, so it moves with the engine: re-profile and the simulator follows):
                   A = Σ n_i·(s_i + n_i/2): query×key pairs of causal attention (chunk of n_i at offset s_i)
     decode part   base + per_seq·B + per_ctx_token·C
                   B = sequences decoding one token, C = Σ their context lengths (KV read per step)
-    mixed step    prefill part + decode part − the smaller base (one forward pass, one launch overhead)
+    mixed step    a prompt's chunk with decode rows riding on it: one forward pass at prefill rates, each
+                  decode row also reading its KV as a decode step does (`riding_decode_time`)
 
 KV transfer (prefill → kvstore → decode) is base + per_byte·bytes, per path (shm | network).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -176,13 +178,24 @@ class Profile:
         d = self.decode
         return d.base_s + d.per_seq_s * batch + d.per_ctx_token_s * ctx_tokens
 
-    def step_time(self, prefill_tokens: int, attn_pairs: float, prefill_seqs: int, batch: int, ctx_tokens: int) -> float:
-        if prefill_seqs and batch:
-            overlap = min(self.prefill.base_s, self.decode.base_s)
-            return self.prefill_time(prefill_tokens, attn_pairs, prefill_seqs) + self.decode_time(batch, ctx_tokens) - overlap
-        if prefill_seqs:
-            return self.prefill_time(prefill_tokens, attn_pairs, prefill_seqs)
-        return self.decode_time(batch, ctx_tokens)
+    def riding_decode_time(self, batch: int, ctx_tokens: int, drafts: float = 0.0) -> float:
+        """What `batch` decoding sequences add to a step that computes a prompt's chunk: their rows
+        (1 + `drafts` each) at the prefill rates, and each one's KV read as a decode step reads it."""
+        p = self.prefill
+        return batch * ((1 + drafts) * p.per_token_s + p.per_seq_s) + \
+            self.decode.per_ctx_token_s * self.tokens_per_event * ctx_tokens
+
+    def drafts(self) -> float:
+        """Draft tokens a sequence's speculative step verifies (τ − 1 where none were measured)."""
+        return self.tokens_per_event - 1 if self.drafts_per_event is None else self.drafts_per_event
+
+    def host_cores(self) -> int | None:
+        """The cores of the host a CPU profile was measured on (`pdserve profile` records them); None
+        for a GPU profile, or where the profile does not say."""
+        if self.meta.get("device") != "cpu":
+            return None
+        m = re.search(r"(\d+) cores", str(self.meta.get("machine", "")))
+        return int(m[1]) if m else None
 
     def handoff_time(self, blocks: int) -> float:
         return self.handoff_s + self.handoff_per_block_s * blocks

@@ -46,7 +46,7 @@ class Span:
 
     def __init__(self, start: float, steps: int, batch: int, ctx0: int, first_step_s: float, slow: float = 1.0):
         self.start, self.steps, self.batch, self.ctx0, self.first_step_s = start, steps, batch, ctx0, first_step_s
-        self.slow = slow  # every step × this (its cores not lent: Profile.unlent)
+        self.slow = slow  # every step × this (its cores shared: shared/sim/cores.py)
 
 
 class SimEngine:
@@ -66,7 +66,13 @@ class SimEngine:
         self.span: Span | None = None
         self.step_plan: list[tuple[SimSeq, int]] = []
         self.step_start = self.step_end = 0.0
-        self.step_slow = 1.0  # the plain step in flight runs at × this (its cores: Profile.unlent)
+        # the plain step in flight: its (prefill, decode) parts' fitted seconds and the factors they run
+        # at (its cores: shared/sim/cores.py); when it computed a prompt's chunk too, the tokens per
+        # event of its decode rows (None: a decode step, its tokens slices of events)
+        self.step_parts = (0.0, 0.0)
+        self.step_factors = (1.0, 1.0)
+        self.step_tau: float | None = None
+        self.threads = 0  # threads of the step in flight (on a shared CPU host)
         self.busy_s = 0.0  # time spent in steps (cost accounting)
         self.decode_rows = [0, 0]  # over its steps, Σ B and Σ B² of the sequences each decoded (B)
         self.preemptions = 0
@@ -87,6 +93,11 @@ class SimEngine:
     @property
     def free_blocks(self) -> int:
         return self.total_blocks - self.used_blocks
+
+    def prefilling(self) -> bool:
+        """A sequence here has a prompt (or a preempted one's tokens) to compute."""
+        return any(s.num_tokens - s.computed > 1 for s in self.running) or \
+            any(s.num_tokens - s.computed > 1 for s in self.waiting)
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.bs)
@@ -128,17 +139,15 @@ class SimEngine:
 
     # -------------------------------------------------------------------------------- planning
 
-    def plan(self, now: float, unlent: float = 1.0) -> float | None:
+    def plan(self, now: float, factors: tuple[float, float] = (1.0, 1.0)) -> float | None:
         """Choose the next step (or span) starting at `now`; returns its end time, None when idle.
-        `unlent`: the factor of a step that cannot borrow the other pool's cores now (a decode
-        step borrows only for 2 or more sequences)."""
+        `factors`: its (prefill part, decode part) time × these (its cores: shared/sim/cores.py)."""
         if not self.running and not self.waiting:
             return None
         self.step_start = now
         span = self._try_span(now) if self.spans else None
         if span is not None:
-            if self.role != "decode" or span.batch >= 2:
-                span.slow = unlent
+            span.slow = factors[1]
             self.span, self.step_plan = span, []
             self.step_end = now + self._span_time(span, span.steps)
         else:
@@ -146,12 +155,16 @@ class SimEngine:
             self.step_plan = self._schedule()
             if not self.step_plan:
                 return None  # nothing fits (waiting on blocks that only a finish frees)
-            slow = unlent if self.role != "decode" or len(self.step_plan) >= 2 else 1.0
-            self.step_slow = slow
-            self.step_end = now + slow * self._step_time(self.step_plan)
+            self.step_parts = self._step_parts(self.step_plan)
+            self.step_factors = factors
+            self.step_end = now + self._step_duration()
         self.busy = True
         self.version += 1
         return self.step_end
+
+    def _step_duration(self, factors: tuple[float, float] | None = None) -> float:
+        (fp, fd), (p, d) = factors or self.step_factors, self.step_parts
+        return fp * p + fd * d
 
     def _try_span(self, now: float) -> Span | None:
         running, waiting = self.running, self.waiting
@@ -254,13 +267,15 @@ class SimEngine:
             return
         self._grow_all(min(self.steps_done_by(now) + 1, span.steps))
 
-    def retime(self, now: float, slow: float) -> float | None:
-        """The plain step in flight goes on at × `slow` from `now` (its cores shared otherwise than
-        when it began). Returns its new end, or None when nothing changes."""
-        if not self.busy or self.span is not None or slow == self.step_slow:
+    def retime(self, now: float, factors: tuple[float, float]) -> float | None:
+        """The plain step in flight goes on at `factors` from `now` (its cores shared otherwise than
+        when it began). Returns its new end, or None when nothing changes. A decode step keeps its
+        pace to its end, as a step of a decode span does (the span is cut there)."""
+        if not self.busy or self.span is not None or not self.step_parts[0] or factors == self.step_factors:
             return None
-        self.step_end = now + (self.step_end - now) / self.step_slow * slow
-        self.step_slow = slow
+        left = (self.step_end - now) / self._step_duration()  # the fraction of its work still to do
+        self.step_end = now + left * self._step_duration(factors)
+        self.step_factors = factors
         self.version += 1
         return self.step_end
 
@@ -332,7 +347,13 @@ class SimEngine:
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _step_time(self, plan: list[tuple[SimSeq, int]]) -> float:
+    def _step_parts(self, plan: list[tuple[SimSeq, int]]) -> tuple[float, float]:
+        """(prefill part, decode part) of a step's fitted time; sets the step's tokens per event.
+
+        A step that computes a prompt's chunk is one forward pass at prefill rates: its decode rows
+        are rows of it (each also reads its KV, as in a decode step), and each decodes one token, one
+        event, unless the budget the chunk left holds their drafts too (the engine verifies drafts
+        in what is left of the budget: shared/engine/engine.py)."""
         p_tokens = p_seqs = batch = ctx = 0
         pairs = 0.0
         for seq, n in plan:
@@ -343,7 +364,18 @@ class SimEngine:
                 p_tokens += n
                 p_seqs += 1
                 pairs += n * (seq.computed + n / 2)
-        return self.profile.step_time(p_tokens, pairs, p_seqs, batch, ctx)
+        prof = self.profile
+        self.step_tau = None
+        if not p_seqs:
+            return 0.0, prof.decode_time(batch, ctx)
+        if not batch:
+            return prof.prefill_time(p_tokens, pairs, p_seqs), 0.0
+        drafts = prof.drafts()
+        if prof.tokens_per_event > 1 and self.budget - p_tokens - batch >= batch * drafts:
+            self.step_tau = prof.tokens_per_event
+        else:
+            self.step_tau, drafts = 1.0, 0.0
+        return prof.prefill_time(p_tokens, pairs, p_seqs) + prof.riding_decode_time(batch, ctx, drafts), 0.0
 
     # ------------------------------------------------------------------------------ completion
 
@@ -358,7 +390,7 @@ class SimEngine:
             done = rec.decode_span(self, span, now)
             self.span = None
         else:
-            b = 0  # the sequences this step decoded (a token each, as _step_time counts them)
+            b = 0  # the sequences this step decoded (a token each, as _step_parts counts them)
             for seq, n in self.step_plan:
                 if n == 1 and seq.num_tokens - seq.computed == 1:
                     b += 1
@@ -366,7 +398,7 @@ class SimEngine:
                 if seq.computed == seq.num_tokens:  # the step completed its tokens: one is sampled
                     seq.num_tokens += 1
                     seq.remaining -= 1
-                    rec.token(seq, now, self.step_start)
+                    rec.token(seq, now, self.step_start, self.step_tau)
                     if seq.remaining == 0:
                         done.append(seq)
             self.step_plan = []

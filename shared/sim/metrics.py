@@ -125,17 +125,20 @@ class Recorder:
         self.tokens.append(0)
         return len(self.arrival) - 1
 
-    def token(self, seq, t: float, step_start: float) -> None:
-        """`seq` got a token at `t` from a step begun at `step_start`."""
+    def token(self, seq, t: float, step_start: float, step_tau: float | None = None) -> None:
+        """`seq` got a token at `t` from a step begun at `step_start`: a slice of an event (a decode
+        step: its gap × τ, weight 1/τ), or, from a step that computed a prompt's chunk too, a whole
+        step's gap of weight 1/`step_tau`."""
         rid = seq.rid
         last = self.last_s[rid]
         if last < 0:
             self.first_s[rid] = t
         elif t >= self.itl_from_s:
+            scale, weight = (self.tau, 1.0 / self.tau) if step_tau is None else (1.0, 1.0 / step_tau)
             if last < step_start:  # it waited for this step (its KV moved, a batch to join): one event
-                self.hists[seq.kind].add(step_start - last + (t - step_start) * self.tau)
+                self.hists[seq.kind].add(step_start - last + (t - step_start) * scale)
             else:
-                self.hists[seq.kind].add((t - last) * self.tau, 1.0 / self.tau)
+                self.hists[seq.kind].add((t - last) * scale, weight)
         self.last_s[rid] = t
         self.tokens[rid] += 1
 

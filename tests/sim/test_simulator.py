@@ -376,8 +376,8 @@ def test_simulate_cli_resizes_with_the_forecast_planner():
 
 def test_pools_on_one_hosts_cores_lend_them_while_idle():
     """Profile.unlent: a prefill step while a decode worker holds sequences takes ×2 here, a decode
-    step of ≥ 2 sequences while a prefill step runs ×1.5; a lone decode stream never borrowed, and
-    colocated engines share nothing across pools. Spans stay exact with it."""
+    step of ≥ 2 sequences while a prefill step runs ×1.5; a lone decode stream never borrowed (one
+    colocated engine has both cores: it does). Spans stay exact with it."""
     shared = replace(PROFILE, unlent=(2.0, 1.5))
     decode_only = replace(PROFILE, unlent=(2.0, 1.0))
     long_prompt = SimRequest(1.0, 200, 2)
@@ -410,18 +410,45 @@ def test_pools_on_one_hosts_cores_lend_them_while_idle():
         exact = run(shared, reqs, mode=mode, decode=2, decode_spans=False)
         assert fast.finish_s == pytest.approx(exact.finish_s, rel=1e-9, abs=1e-9), mode
         assert fast.finish_s != pytest.approx(run(PROFILE, reqs, mode=mode, decode=2).finish_s), mode
-    assert run(shared, reqs, mode="colocated").finish_s == run(PROFILE, reqs, mode="colocated").finish_s
+    # one colocated engine has the host to itself: its steps run as fitted, but for a lone stream's,
+    # which gets both cores where the calibration's decode worker had its one
+    stream = [SimRequest(0.0, 16, 400)]
+    own, fitted = run(shared, stream, mode="colocated"), run(PROFILE, stream, mode="colocated")
+    assert own.finish_s[0] - own.first_s[0] == pytest.approx((fitted.finish_s[0] - fitted.first_s[0]) / 1.5)
+
+
+def test_engines_share_a_cpu_hosts_cores_as_pdserve_up_gives_them():
+    """shared/sim/cores.py: on 2 cores two colocated engines (a core each) lend each other theirs
+    while one is idle and prefill on their own while both hold sequences; three prefill workers and
+    a decode worker (a core each, on 2) share them by nice: three prompts at once divide the host,
+    and with a stream decoding beside them (nice 0, a core of its own) they divide the other core."""
+    shared = replace(PROFILE, unlent=(2.0, 1.0), meta={"device": "cpu", "machine": "x86_64 2 cores"})
+    prompt, stream = SimRequest(0.0, 480, 2), SimRequest(0.0, 16, 3000)
+
+    def ttfts(reqs, **cfg):
+        cluster = Cluster(shared, ClusterConfig(**cfg))
+        cluster.run([replace(r) for r in reqs], check_every=1)
+        cluster.check_invariants(final=True)
+        return [f - a for f, a in zip(cluster.rec.first_s, cluster.rec.arrival)]
+
+    alone = ttfts([prompt], mode="colocated")[0]
+    assert alone == pytest.approx(ttfts([prompt], mode="colocated", decode=2)[0])  # it borrows the idle one's
+    assert ttfts([prompt, prompt], mode="colocated", decode=2) == pytest.approx([2 * alone] * 2)
+    assert ttfts([prompt], prefill=3)[0] == pytest.approx(alone)
+    assert ttfts([prompt] * 3, prefill=3) == pytest.approx([3 * alone] * 3)  # 2/3 of a core each
+    beside = ttfts([stream] + [replace(prompt, arrival_s=0.5)] * 3, prefill=3)
+    assert beside[1:] == pytest.approx([6 * alone] * 3, rel=0.01)  # 1/3 of a core each
 
 
 def test_a_prefill_step_begun_on_borrowed_cores_slows_while_a_decode_worker_holds_sequences():
     """A real worker takes its threads as a step begins: a prefill step begun while nothing decodes
-    borrows the decode worker's core, and shares it once a decode job arrives (×2 here from then),
-    until the decode worker holds nothing again."""
+    borrows the decode worker's core, and shares it once the decode worker holds a sequence (×2 here
+    from then), until it holds nothing again."""
     shared = replace(PROFILE, unlent=(2.0, 1.0))
     prompt = SimRequest(0.0, 480, 2)
 
     def run(reqs):
-        cluster = Cluster(shared, ClusterConfig(prefill=2))  # the stream's prompt beside it, on the other
+        cluster = Cluster(shared, ClusterConfig(mode="conditional"))  # a short prompt goes to the decode worker
         cluster.run([replace(r) for r in reqs], check_every=1)
         cluster.check_invariants(final=True)
         return cluster.rec
@@ -429,12 +456,10 @@ def test_a_prefill_step_begun_on_borrowed_cores_slows_while_a_decode_worker_hold
     alone = run([prompt]).first_s[0]
     long_stream, short_stream = run([prompt, SimRequest(0.0, 16, 2000)]), run([prompt, SimRequest(0.0, 16, 3)])
     assert long_stream.first_s[1] < alone  # the stream decodes while the prompt is prefilled
-    # from the stream's arrival at the decode worker (t) to its end, the prompt's step goes at half speed
-    t = 2 * alone - long_stream.first_s[0]
-    assert long_stream.first_s[1] < t < long_stream.first_s[1] + 0.05
+    assert long_stream.first_s[0] == pytest.approx(2 * alone)  # held from its start: half speed throughout
     assert short_stream.finish_s[1] < alone
-    # … and while it decodes, the step does half the work it would have: it ends that much later
-    assert short_stream.first_s[0] == pytest.approx(alone + (short_stream.finish_s[1] - t) / 2)
+    # … and while that one is held, the step does half the work it would have: it ends that much later
+    assert short_stream.first_s[0] == pytest.approx(alone + short_stream.finish_s[1] / 2)
 
 
 def test_the_kv_handoff_delays_the_first_decode_step():
@@ -473,3 +498,21 @@ def test_a_prefill_pool_on_a_profile_of_its_own():
         Cluster(PROFILE, ClusterConfig(), prefill_profile=replace(slow, limits=replace(slow.limits, block_size=32)))
     with pytest.raises(ValueError, match="colocated"):
         Cluster(PROFILE, ClusterConfig(mode="colocated"), prefill_profile=slow)
+
+
+def test_a_decode_row_riding_on_a_prompts_chunk_is_one_token_one_event():
+    """A colocated engine computes a long prompt's chunks with a stream's decode row in the same
+    forward pass (prefill rates, the row's KV read as a decode step's). With speculative decoding
+    (τ 2) a decode step's token is half an event; a chunk that fills the budget leaves no room for
+    drafts, so the stream's token from it is a whole event, its gap the whole step (not 2×)."""
+    spec = replace(PROFILE, tokens_per_event=2.0, drafts_per_event=1.0)
+    cluster = Cluster(spec, ClusterConfig(mode="colocated"))
+    cluster.run([SimRequest(0.0, 16, 400), SimRequest(0.5, 2000, 2)], check_every=1)
+    cluster.check_invariants(final=True)
+    rec = cluster.rec
+    assert rec.first_s[1] - 0.5 > 5 * spec.prefill_time(255, 255 * 128, 1)  # 8 chunks of the budget
+    ctx = 16 + 400  # at most the stream's whole context
+    chunk = spec.prefill_time(255, 255 * (1744 + 128), 1) + spec.riding_decode_time(1, ctx)  # the last full one
+    gaps = rec.hists[rec.kind[0]]
+    assert chunk * 0.8 < gaps.hi < chunk * 1.05
+    assert spec.riding_decode_time(1, ctx) < spec.decode_time(1, ctx) * spec.tokens_per_event  # a row, not a step
