@@ -101,8 +101,11 @@ class LendingRun:
     gap_alone_s: float  # … and while none was
 
 
-# (concurrency, prompt tokens, output tokens): answers as long as the cases' (24-48 tokens)
-RUNS = ((1, 128, 40), (1, 768, 12), (4, 128, 40))
+# (concurrency, prompt tokens, output tokens): answers as long as the cases' (24-48 tokens), and a
+# wider batch with a chat's answers: a decode fit read off batches of 1-3 alone overcharged each
+# sequence of a chat's 8-15 by ~30% (BENCHMARKS.md, "Engines on one host's cores"). Concurrency
+# beyond 1 is for `high_batch` 4, scaled with it
+RUNS = ((1, 128, 40), (1, 768, 12), (4, 128, 40), (8, 128, 96))
 # the streams' prompts short (the calibration's short ones), so that the long ones seldom queue behind them
 LEND_STREAMS, LEND_PROMPT, LEND_STREAM_PROMPT, LEND_INTERVAL_S, LEND_DURATION_S = 2, 768, 128, 3.0, 12.0
 SHAPE_POINTS = tuple((i + 0.5) / 20 for i in range(20))
@@ -198,7 +201,7 @@ def measure_stack(base_url: str, gguf: str | None, high_batch: int = 4, seed: in
                               progress=False, seed=seed - 1))
     runs = []
     for k, (batch, prompt, out) in enumerate(RUNS):
-        batch = high_batch if batch > 1 else 1
+        batch = batch * high_batch // 4 if batch > 1 else 1
         n = 3 * batch + 5 if prompt < 512 else 3
         prompt = scale_tokens((prompt, prompt), scale)[0]
         cfg = BenchConfig(base_url, workload="chat", num_requests=n,
@@ -313,8 +316,9 @@ def _served_batch(profile: Profile, run: CalibrationRun) -> float:
 
 def calibrate(profile: Profile, runs: list) -> Profile:
     """The profile with its fits scaled to what the served runs showed (`measure_stack`'s runs:
-    three CalibrationRuns, then a LendingRun)."""
-    short, long, wide, lending = runs
+    the CalibrationRuns of RUNS, then a LendingRun; recorded before 2026-12-07, without the wider one)."""
+    short, long, *wide_runs, lending = runs
+    wide = wide_runs[0]
 
     def prefill(r: CalibrationRun) -> float:
         return profile.prefill_time(r.prompt_tokens, r.prompt_tokens ** 2 / 2, 1)
@@ -352,10 +356,10 @@ def calibrate(profile: Profile, runs: list) -> Profile:
         if plain1 <= 0:
             spec, plain1 = 0.0, short.event_gap_s
 
-    def decode_fit(wide_batch: float) -> DecodeFit:
-        """The plain step's fit, the wide run's steps taken to hold `wide_batch` sequences."""
+    def decode_fit(wide_batches: list[float]) -> DecodeFit:
+        """The plain step's fit, the wide runs' steps taken to hold `wide_batches` sequences."""
         points = [(short, 1, plain1)] + [(r, b, r.event_gap_s - spec * b * r.extra_rows)
-                                         for r, b in ((long, 1), (wide, wide_batch))]
+                                         for r, b in ((long, 1), *zip(wide_runs, wide_batches))]
         rows = np.array([[1.0, b, b * (r.prompt_tokens + r.output_tokens // 2)] for r, b, _ in points])
         fit = _non_negative_fit(rows, np.array([g for _, _, g in points]))
         if fit is None:  # a point at or below zero: the engine's parts, scaled to meet batch 1
@@ -369,32 +373,34 @@ def calibrate(profile: Profile, runs: list) -> Profile:
     shape = tuple(max(q, 1e-3) / (sum(shape) / len(shape)) for q in shape)  # mean exactly 1
     p = profile.prefill
     prefill_fit = PrefillFit(s_p * p.base_s, s_p * p.per_token_s, s_p * p.per_attn_pair_s, s_p * p.per_seq_s)
-    plain = replace(profile, prefill=prefill_fit, decode=decode_fit(wide.batch), request_overhead_s=request_overhead,
+    plain = replace(profile, prefill=prefill_fit, decode=decode_fit([r.batch for r in wide_runs]),
+                    request_overhead_s=request_overhead,
                     handoff_s=handoff, handoff_per_block_s=handoff_per_block, tokens_per_event=1.0,
                     drafts_per_event=0.0 if short.drafts else None, spec_token_s=spec, itl_shape=shape, unlent=unlent)
-    # the wide run's streams also wait for their prompts' prefill and their KV: its steps held fewer
-    # than `wide.batch` sequences. How many, its simulation says (on the fit it gives, so again)
-    wide_batch = float(wide.batch)
+    # the wide runs' streams also wait for their prompts' prefill and their KV: their steps held fewer
+    # than `batch` sequences. How many, their simulations say (on the fit they give, so again)
+    wide_batches = [float(r.batch) for r in wide_runs]
     for _ in range(4):
-        served = _served_batch(plain.with_tokens_per_event(wide.tokens_per_event,
-                                                           wide.extra_rows if wide.drafts else None), wide)
-        if abs(served - wide_batch) < 0.01:
+        served = [_served_batch(plain.with_tokens_per_event(r.tokens_per_event, r.extra_rows if r.drafts else None), r)
+                  for r in wide_runs]
+        if max(abs(a - b) for a, b in zip(served, wide_batches)) < 0.01:
             break
-        wide_batch = served
-        plain = replace(plain, decode=decode_fit(wide_batch))
+        wide_batches = served
+        plain = replace(plain, decode=decode_fit(wide_batches))
+    wide_batch = wide_batches[0]
     plain_fit = plain.decode
     meta = dict(profile.meta) | {"calibration": {
         "prefill_slowdown": s_p, "decode_plain_fit": asdict(plain_fit),
         "spec_token_s": spec, "request_overhead_s": request_overhead, "tokens_per_event": tau,
         "drafts_per_event": short.extra_rows if short.drafts else None, "itl_shape": shape,
         "unlent": unlent, "handoff_s": handoff, "handoff_per_block_s": handoff_per_block, "wide_batch": wide_batch,
-        "runs": [r.__dict__ for r in runs]}}
+        "wide_batches": wide_batches, "runs": [r.__dict__ for r in runs]}}
     log.info("calibration: prefill ×%.2f, plain decode step %.2f ms + %.2f ms a sequence + %.3f µs a context token, "
              "×%.2f a prefill step and ×%.2f a decode step that cannot borrow, %.1f ms more a sequence's step a "
-             "draft (the wide run's steps held %.2f), request overhead %.1f ms, handoff %.1f ms + %.2f ms a KV block, "
+             "draft (the wide runs' steps held %s), request overhead %.1f ms, handoff %.1f ms + %.2f ms a KV block, "
              "%.2f tokens per event, event gaps p10/p50/p90 at ×%.2f/%.2f/%.2f of the mean",
              s_p, 1e3 * plain_fit.base_s, 1e3 * plain_fit.per_seq_s, 1e6 * plain_fit.per_ctx_token_s, *unlent,
-             1e3 * spec, wide_batch, 1e3 * request_overhead, 1e3 * handoff, 1e3 * handoff_per_block, tau,
+             1e3 * spec, "/".join(f"{b:.2f}" for b in wide_batches), 1e3 * request_overhead, 1e3 * handoff, 1e3 * handoff_per_block, tau,
              shape[len(shape) // 10], shape[len(shape) // 2], shape[len(shape) * 9 // 10])
     plain = replace(plain, meta=meta)
     return plain.with_tokens_per_event(tau, short.extra_rows if short.drafts else None)

@@ -142,3 +142,23 @@ def _floats(v):
     if isinstance(v, list | tuple):
         return [x for item in v for x in _floats(item)]
     return [v]
+
+
+def test_a_wider_run_bends_the_decode_fit_to_what_a_chats_batch_costs():
+    """A fit through batches of 1 and ~3 alone extrapolates their slope; the wider run (8 streams of
+    96-token answers) holds more sequences a step and costs less each than that slope says: with it,
+    the fit's per-sequence part comes down and its step at the wider run's served batch nears that
+    run's gap. A run recorded without it (4 runs) calibrates as before."""
+    gap = 0.015
+    runs = _runs(gap=gap)
+    without = calibrate(PROFILE, runs)
+    wider = CalibrationRun(8, 128, 96, 2.5 * gap, runs[0].ttft_p50_s, per_request=((2.0, 2.5 * gap),) * 10)
+    with_it = calibrate(PROFILE, [*runs[:3], wider, runs[3]])
+    c = with_it.meta["calibration"]
+    assert len(c["wide_batches"]) == 2 and len(without.meta["calibration"]["wide_batches"]) == 1
+    assert with_it.decode.per_seq_s < without.decode.per_seq_s
+    served = c["wide_batches"][1]
+    ctx = 128 + 96 // 2
+    step = with_it.decode_time(round(served), round(served) * ctx) * with_it.tokens_per_event
+    extrapolated = without.decode_time(round(served), round(served) * ctx) * without.tokens_per_event
+    assert abs(step - 2.5 * gap) < abs(extrapolated - 2.5 * gap)
