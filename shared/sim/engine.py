@@ -72,6 +72,7 @@ class SimEngine:
         self.step_parts = (0.0, 0.0)
         self.step_factors = (1.0, 1.0)
         self.step_tau: float | None = None
+        self.spec_credit = 0.0  # tokens owed to speculative rows riding on chunks (`_kept`)
         self.threads = 0  # threads of the step in flight (on a shared CPU host)
         self.busy_s = 0.0  # time spent in steps (cost accounting)
         self.decode_rows = [0, 0]  # over its steps, Σ B and Σ B² of the sequences each decoded (B)
@@ -379,6 +380,17 @@ class SimEngine:
 
     # ------------------------------------------------------------------------------ completion
 
+    def _kept(self, seq: SimSeq) -> int:
+        """Tokens a decode row riding on a prompt's chunk keeps: one, or with its drafts verified
+        (the chunk left room for them), τ on average (a running credit: whole tokens, τ in the
+        mean), as its KV blocks allow."""
+        self.spec_credit += self.step_tau
+        k = min(seq.remaining, int(self.spec_credit))
+        if k > 1 and not self._grow(seq, seq.computed + k - 1):
+            k = 1
+        self.spec_credit -= k
+        return k
+
     def complete(self, now: float, rec) -> list[SimSeq]:
         """The step or span in flight ended at `now`: tokens out (via `rec`), the finished returned."""
         self.busy = False
@@ -392,13 +404,15 @@ class SimEngine:
         else:
             b = 0  # the sequences this step decoded (a token each, as _step_parts counts them)
             for seq, n in self.step_plan:
-                if n == 1 and seq.num_tokens - seq.computed == 1:
-                    b += 1
+                decoding = n == 1 and seq.num_tokens - seq.computed == 1
+                b += decoding
                 seq.computed += n
                 if seq.computed == seq.num_tokens:  # the step completed its tokens: one is sampled
-                    seq.num_tokens += 1
-                    seq.remaining -= 1
-                    rec.token(seq, now, self.step_start, self.step_tau)
+                    k = self._kept(seq) if decoding and self.step_tau is not None else 1
+                    seq.computed += k - 1
+                    seq.num_tokens += k
+                    seq.remaining -= k
+                    rec.token(seq, now, self.step_start, self.step_tau, k)
                     if seq.remaining == 0:
                         done.append(seq)
             self.step_plan = []

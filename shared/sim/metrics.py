@@ -125,22 +125,22 @@ class Recorder:
         self.tokens.append(0)
         return len(self.arrival) - 1
 
-    def token(self, seq, t: float, step_start: float, step_tau: float | None = None) -> None:
+    def token(self, seq, t: float, step_start: float, step_tau: float | None = None, tokens: int = 1) -> None:
         """`seq` got a token at `t` from a step begun at `step_start`: a slice of an event (a decode
-        step: its gap × τ, weight 1/τ), or, from a step that computed a prompt's chunk too, a whole
-        step's gap of weight 1/`step_tau`."""
+        step: its gap × τ, weight 1/τ), or, from a step that computed a prompt's chunk too
+        (`step_tau` given), a whole event of `tokens` tokens, its gap the whole step."""
         rid = seq.rid
         last = self.last_s[rid]
         if last < 0:
             self.first_s[rid] = t
         elif t >= self.itl_from_s:
-            scale, weight = (self.tau, 1.0 / self.tau) if step_tau is None else (1.0, 1.0 / step_tau)
+            scale, weight = (self.tau, 1.0 / self.tau) if step_tau is None else (1.0, 1.0)
             if last < step_start:  # it waited for this step (its KV moved, a batch to join): one event
                 self.hists[seq.kind].add(step_start - last + (t - step_start) * scale)
             else:
                 self.hists[seq.kind].add((t - last) * scale, weight)
         self.last_s[rid] = t
-        self.tokens[rid] += 1
+        self.tokens[rid] += tokens
 
     def decode_span(self, engine, span, end: float) -> list:
         """A decode span of `span.steps` steps ended at `end`: every running sequence got one token a

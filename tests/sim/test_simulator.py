@@ -48,6 +48,21 @@ def test_every_request_finishes_and_tokens_are_conserved(mode):
     assert itl["n"] == sum(r.output_tokens - 1 for r in reqs)  # one gap per token after the first
 
 
+@pytest.mark.parametrize("mode", ["colocated", "conditional"])
+def test_speculative_rows_riding_on_chunks_keep_tokens_and_blocks_exact(mode):
+    """With speculation (τ 2.5) a decode row riding on a short prompt's chunk keeps τ tokens on
+    average (whole tokens, as its blocks allow): every token is still delivered once, and blocks
+    stay within a tight budget."""
+    spec = replace(PROFILE, tokens_per_event=2.5, drafts_per_event=1.5)
+    reqs = _requests(n=40, rate=6.0)
+    cluster = Cluster(spec, ClusterConfig(mode=mode, decode=2, num_kv_blocks=60))
+    cluster.run(reqs, check_every=1)
+    cluster.check_invariants(final=True)
+    assert sum(cluster.rec.tokens) == sum(r.output_tokens for r in reqs)
+    assert max(w.max_used_blocks for w in cluster.decode_pool) <= 60
+    assert any(w.spec_credit for w in cluster.decode_pool)  # rows did ride with their drafts
+
+
 def test_kv_blocks_never_exceed_the_budget_and_preemption_recovers():
     # 40 blocks per decode worker: a few chat requests fill it, so running sequences get preempted
     config = ClusterConfig(prefill=1, decode=1, num_kv_blocks=40)
