@@ -262,7 +262,8 @@ class Planner:
         seconds a request, so, on the prefill pool's own profile; decode by the decode pool's)."""
         reqs = self.arrivals()
         span = max(r.arrival_s for r in reqs) - min(r.arrival_s for r in reqs)
-        mix = Mix.of(Load(**self.trial(roomy, prefill_profile, decode_profile).summary["sim"]["load"]))
+        probe = replace(roomy, shared_cores=False)  # the work itself, not slowed by engines sharing a CPU host's cores
+        mix = Mix.of(Load(**self.trial(probe, prefill_profile, decode_profile).summary["sim"]["load"]))
         if mix is None or span <= 0:
             return None, None
         decode = self.decode_profiles[decode_profile] if decode_profile else self.profile
@@ -297,7 +298,7 @@ class Planner:
                 best += [t for t in found if t is not None and self.spec.within(t.gpus)]
         best.sort(key=lambda t: (t.gpus, -(t.goodput or 0)))
         feasible_ids = {id(t) for t in best}
-        tried = sorted(self.trials.values(), key=lambda t: t.gpus)
+        tried = sorted((t for t in self.trials.values() if t.config.shared_cores), key=lambda t: t.gpus)
         rejected = [t.to_json() | {"why_not": t.why_not(self.spec)} for t in tried
                     if id(t) not in feasible_ids and not (t.meets(self.spec) and self.spec.within(t.gpus))]
         return {"slo": {"ttft_p90_ms": self.spec.slo_ttft_p90_ms, "itl_p90_ms": self.spec.slo_itl_p90_ms},

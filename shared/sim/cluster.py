@@ -71,6 +71,9 @@ class ClusterConfig:
     decode_pull_batch: int = 4  # a decode worker takes at most this many jobs per pull
     gpus_per_host: int = 8  # workers sharing one kvstore (prefix-cache capacity per host)
     decode_spans: bool = True  # false: every decode step its own event (slow; tests compare the two)
+    # false: every engine of a CPU profile on cores of its own (a probe of the work a load brings,
+    # not of a deployment: `pdserve plan`'s roomy pools would share 2 cores six ways)
+    shared_cores: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -177,7 +180,7 @@ class Cluster:
         # the engines on one CPU host's cores, lending them while idle (shared/sim/cores.py); None: a
         # GPU each, nothing shared
         self.host = HostCores(profile.host_cores() or 2, config.num_workers, profile.unlent) \
-            if profile.meta.get("device") == "cpu" or profile.unlent != (1.0, 1.0) else None
+            if config.shared_cores and (profile.meta.get("device") == "cpu" or profile.unlent != (1.0, 1.0)) else None
         self.cache = PrefixCache(self._cache_capacity()) if config.prefix_caching else None
         self.kind_names = list(kinds)
         self.kind_ids = {k: i for i, k in enumerate(self.kind_names)}

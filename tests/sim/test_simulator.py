@@ -451,6 +451,8 @@ def test_engines_share_a_cpu_hosts_cores_as_pdserve_up_gives_them():
     assert ttfts([prompt, prompt], mode="colocated", decode=2) == pytest.approx([2 * alone] * 2)
     assert ttfts([prompt], prefill=3)[0] == pytest.approx(alone)
     assert ttfts([prompt] * 3, prefill=3) == pytest.approx([3 * alone] * 3)  # 2/3 of a core each
+    # a probe of the work itself (`pdserve plan`'s roomy pools): every engine on cores of its own
+    assert ttfts([prompt] * 3, prefill=3, shared_cores=False) == pytest.approx([alone] * 3)
     beside = ttfts([stream] + [replace(prompt, arrival_s=0.5)] * 3, prefill=3)
     assert beside[1:] == pytest.approx([6 * alone] * 3, rel=0.01)  # 1/3 of a core each
 
