@@ -5,6 +5,7 @@ report what `pdserve bench` would (same JSON shape: runs[].summary), plus cost p
     pdserve simulate --trace mooncake.jsonl --prefill 300 --decode 700 --profile gpu.json --json out.json
     pdserve simulate --workload interference --max-concurrency 4 --duration 30 --long-interval 5
     pdserve simulate --trace day.jsonl --prefill 90 --decode 35 --scale --slo-ttft-ms 4000 --slo-tpot-ms 40
+    pdserve simulate --trace bench.json --mode colocated --decode 2     (a real run's requests, simulated again)
 
 With `--scale`, the pools change size while it runs: the forecast planner of `pdserve planner
 --policy forecast` (services/planner/forecast.py) decides every `--scale-interval`, starting from
@@ -26,7 +27,7 @@ from services.bench.workloads import WORKLOADS, Workload, parse_range
 from services.planner.forecast import Capacity, ForecastScaler, ProfileSizer
 from shared.sim.cluster import MODES, SLO_WINDOW_S, ClosedLoop, ClusterConfig, simulate
 from shared.sim.cost import Profile, load_profile
-from shared.sim.workload import bench_request, poisson_requests, read_trace
+from shared.sim.workload import bench_acceptance, bench_request, poisson_requests, read_trace
 
 RUN_INDEX_STRIDE = 1_000_000  # as services/bench/runner.py: each run its own request indices
 
@@ -75,7 +76,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="chat", choices=WORKLOADS)
-    p.add_argument("--trace", default=None, help="JSONL trace (plain or Mooncake-style); overrides --workload")
+    p.add_argument("--trace", default=None,
+                   help="JSONL trace (plain or Mooncake-style), or a `pdserve bench --out` result (its requests "
+                        "replayed, at their acceptance unless --tokens-per-event); overrides --workload")
     p.add_argument("--time-scale", type=float, default=1.0, help="trace: multiply arrival times (<1 = more load)")
     p.add_argument("--duration", type=float, default=None, help="send for this many (virtual) seconds")
     p.add_argument("--num-requests", type=int, default=None)
@@ -184,6 +187,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from services.bench.report import _title, format_summary
 
     profile = load_profile(args.profile)
+    measured = bench_acceptance(args.trace) if args.trace else None
+    if args.tokens_per_event is None and args.drafts_per_event is None and measured is not None:
+        args.tokens_per_event, args.drafts_per_event = measured  # a bench result: its requests' acceptance
     if args.tokens_per_event is not None or args.drafts_per_event is not None:
         profile = profile.with_tokens_per_event(args.tokens_per_event or profile.tokens_per_event,
                                                 args.drafts_per_event)

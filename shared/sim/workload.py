@@ -109,13 +109,18 @@ def poisson_requests(name: str, rate: float, seed: int = 0, *, duration_s: float
 
 
 def read_trace(path: str | Path, *, time_scale: float = 1.0, limit: int | None = None) -> list[SimRequest]:
-    """A JSONL trace (plain or Mooncake-style), sorted by arrival; `time_scale` < 1 compresses time."""
+    """A JSONL trace (plain or Mooncake-style), or a `pdserve bench --out` result (its first run's
+    answered requests: when each was sent, its prompt and the tokens it got), sorted by arrival;
+    `time_scale` < 1 compresses time."""
+    text = Path(path).read_text()
+    bench = bench_records(text)
+    rows = ({"arrival_s": r["sent_s"], "prompt_tokens": r["prompt_tokens"], "output_tokens": r["output_tokens"],
+             "kind": r.get("kind", "trace")} for r in bench) if bench is not None else \
+        (json.loads(line) for line in text.splitlines() if line.strip())
     out = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
+    for n, row in enumerate(rows, 1):
         try:
-            out.append(_trace_row(json.loads(line), time_scale))
+            out.append(_trace_row(row, time_scale))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}:{n}: {exc}") from None
         if limit is not None and len(out) >= limit:
@@ -127,6 +132,34 @@ def read_trace(path: str | Path, *, time_scale: float = 1.0, limit: int | None =
     for r in out:
         r.arrival_s -= t0
     return out
+
+
+def bench_records(text: str) -> list[dict] | None:
+    """The answered requests of a `pdserve bench --out` result's first run; None if `text` is not one."""
+    if not text.lstrip().startswith("{"):
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None  # a JSONL trace's first line
+    if not isinstance(data, dict) or not data.get("runs"):
+        return None
+    return [r for r in data["runs"][0].get("records", []) if r.get("status") == "ok" and r.get("output_tokens")]
+
+
+def bench_acceptance(path: str | Path) -> tuple[float, float | None] | None:
+    """(tokens per event, draft tokens verified per event) the requests of a bench result got after
+    their first event (speculative decoding's acceptance on that workload); None for a trace."""
+    records = bench_records(Path(path).read_text())
+    if not records:
+        return None
+    events = sum(max(0, len(r.get("token_times_s") or []) - 1) for r in records)
+    if not events:
+        return None
+    tau = max(1.0, sum(r["output_tokens"] - 1 for r in records) / events)
+    drafts = None if any(r.get("draft_tokens") is None for r in records) else \
+        sum(r["draft_tokens"] for r in records) / events
+    return tau, drafts
 
 
 def _trace_row(row: dict, time_scale: float) -> SimRequest:

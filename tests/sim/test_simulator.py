@@ -533,3 +533,24 @@ def test_a_decode_row_riding_on_a_prompts_chunk_is_one_token_one_event():
     gaps = rec.hists[rec.kind[0]]
     assert chunk * 0.8 < gaps.hi < chunk * 1.05
     assert spec.riding_decode_time(1, ctx) < spec.decode_time(1, ctx) * spec.tokens_per_event  # a row, not a step
+
+
+def test_a_bench_result_is_a_trace_of_its_requests_at_their_acceptance(tmp_path):
+    """`pdserve simulate --trace bench.json`: a real run's answered requests (when each was sent, its
+    prompt, the tokens it got) replayed, at the tokens and drafts per event they got."""
+    from shared.sim.workload import bench_acceptance
+
+    def record(sent, prompt, out, events, drafts, status="ok"):
+        return {"sent_s": sent, "prompt_tokens": prompt, "output_tokens": out, "kind": "chat", "status": status,
+                "token_times_s": [sent + 0.1 * i for i in range(events + 1)], "draft_tokens": drafts}
+
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"runs": [{"summary": {}, "records": [
+        record(5.0, 120, 31, 10, 20), record(2.0, 300, 21, 10, 16), record(3.0, 50, 0, 0, 0, status="error")]}]}))
+    reqs = read_trace(path)
+    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in reqs] == [(0.0, 300, 21), (3.0, 120, 31)]
+    tau, drafts = bench_acceptance(path)
+    assert tau == pytest.approx((30 + 20) / 20) and drafts == pytest.approx(36 / 20)
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"arrival_s": 0, "prompt_tokens": 10, "output_tokens": 2}\n')
+    assert bench_acceptance(trace) is None and len(read_trace(trace)) == 1
