@@ -52,9 +52,10 @@ class HostCores:
         return self.share * (1 + idle) if prefilling or sequences >= BORROW_FROM[role] else self.share
 
     def allocate(self, holding: dict[object, int]) -> dict[object, float]:
-        """The cores each engine of `holding` (engine → threads of its step) gets. Its own share first, weighted by nice, at most a core a
-        thread (water-filling: threads whose fair part exceeds a core get one, the rest is shared
-        again); the cores no holding engine's share takes go to the borrowers, by threads borrowed."""
+        """The cores each engine of `holding` (engine → threads of its step) gets. Its own share
+        first, weighted by nice, at most a core a thread (water-filling: threads whose fair part
+        exceeds a core get one, the rest is shared again); the cores no holding engine's share takes
+        go to the borrowers, by threads borrowed."""
         own: dict[object, float] = {}
         pending = dict.fromkeys(holding, self.share)
         total = sum(NICE_WEIGHT[e.role] * n for e, n in pending.items())
@@ -73,7 +74,7 @@ class HostCores:
                 own[e] = pending.pop(e)
                 left -= own[e]
         own = {e: max(c, floor[e]) for e, c in own.items()}
-        free = self.cores - sum(own.values())
+        free = max(0.0, self.cores - sum(own.values()))  # (the floors may overcommit a little)
         borrowing = {e: t - self.share for e, t in holding.items() if t > self.share}
         wanted = sum(borrowing.values())
         return {e: own[e] + (min(borrowing[e], free * borrowing[e] / wanted) if e in borrowing else 0.0) for e in own}

@@ -352,9 +352,9 @@ class SimEngine:
         """(prefill part, decode part) of a step's fitted time; sets the step's tokens per event.
 
         A step that computes a prompt's chunk is one forward pass at prefill rates: its decode rows
-        are rows of it (each also reads its KV, as in a decode step), and each decodes one token, one
-        event, unless the budget the chunk left holds their drafts too (the engine verifies drafts
-        in what is left of the budget: shared/engine/engine.py)."""
+        are rows of it (each also reads its KV, as in a decode step), and each is one event: one
+        token, or τ on average where the budget the chunk left holds their drafts too (the engine
+        verifies drafts in what is left of the budget: shared/engine/engine.py; `_kept`)."""
         p_tokens = p_seqs = batch = ctx = 0
         pairs = 0.0
         for seq, n in plan:
