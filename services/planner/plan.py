@@ -311,10 +311,11 @@ class Planner:
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
-    from services.planner.simulate import add_workload_args
+    from services.planner.simulate import add_acceptance_args, add_workload_args
 
     add_workload_args(p)
     p.add_argument("--profile", default=None)
+    add_acceptance_args(p)
     p.add_argument("--prefill-profile", action="append", default=[], metavar="FILE",
                    help="another profile of the same model the prefill pool may run on (another tensor-parallel "
                         "group): each is searched too, and the configurations ranked by GPUs (repeatable)")
@@ -383,9 +384,9 @@ def worker_budget(args: argparse.Namespace, profiles: list[Profile]) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from services.planner.simulate import request_list
+    from services.planner.simulate import request_list, workload_profile
 
-    profile = load_profile(args.profile)
+    profile = workload_profile(args, load_profile(args.profile))
     prefill_profiles = {Path(f).stem: load_profile(f) for f in args.prefill_profile}
     decode_profiles = {Path(f).stem: load_profile(f) for f in args.decode_profile}
     chunks = tuple(int(x) for x in args.chunk_budgets.split(",") if x.strip()) or (None,)
@@ -402,9 +403,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result = Planner(profile, spec, lambda: [replace(r) for r in reqs], args.slo_tpot_ms, prefill_profiles,
                      decode_profiles).plan()
     rec = result["recommended"]
+    result["tokens_per_event"] = profile.tokens_per_event  # the acceptance its decode steps were timed at
     gpus = f" and {spec.gpu_budget:g} GPUs" if spec.gpu_budget is not None else ""
     lines = [f"pdserve plan: {len(reqs)} requests, SLOs {slo_text(spec, args.slo_tpot_ms)}, budget {spec.budget} "
-             f"workers{gpus} ({result['simulations']} simulations)"]
+             f"workers{gpus} ({result['simulations']} simulations, {profile.tokens_per_event:.2f} tokens an event)"]
     if rec is None:
         lines.append("no configuration within the budget meets the SLOs")
     else:

@@ -39,14 +39,28 @@ def _range(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def add_cluster_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", default=None, help="profile JSON (default: the one shipped for this machine)")
+def add_acceptance_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens-per-event", type=float, default=None,
                    help="the workload's tokens per streamed event with speculative decoding (its acceptance; "
-                        "default: the profile's calibration)")
+                        "default: a --trace bench result's, else the profile's calibration)")
     p.add_argument("--drafts-per-event", type=float, default=None,
                    help="the draft tokens a sequence's step verifies, per event (pdserve's usage.draft_tokens over "
                         "the events; default: the profile's, moved as --tokens-per-event moves)")
+
+
+def workload_profile(args: argparse.Namespace, profile: Profile) -> Profile:
+    """`profile` at the workload's acceptance: the flags', else a `--trace` bench result's requests'."""
+    tau, drafts = args.tokens_per_event, args.drafts_per_event
+    if tau is None and drafts is None and getattr(args, "trace", None):
+        tau, drafts = bench_acceptance(args.trace) or (None, None)
+    if tau is None and drafts is None:
+        return profile
+    return profile.with_tokens_per_event(tau or profile.tokens_per_event, drafts)
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", default=None, help="profile JSON (default: the one shipped for this machine)")
+    add_acceptance_args(p)
     p.add_argument("--mode", default="disaggregated", choices=MODES)
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers (colocated: engine workers)")
@@ -186,18 +200,13 @@ def interference_ratio(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from services.bench.report import _title, format_summary
 
-    profile = load_profile(args.profile)
-    measured = bench_acceptance(args.trace) if args.trace else None
-    if args.tokens_per_event is None and args.drafts_per_event is None and measured is not None:
-        args.tokens_per_event, args.drafts_per_event = measured  # a bench result: its requests' acceptance
-    if args.tokens_per_event is not None or args.drafts_per_event is not None:
-        profile = profile.with_tokens_per_event(args.tokens_per_event or profile.tokens_per_event,
-                                                args.drafts_per_event)
+    profile = workload_profile(args, load_profile(args.profile))
     config = cluster_config(args)
     prefill_profile = load_profile(args.prefill_profile) if args.prefill_profile else None
     runs = run_simulation(args, profile, config, prefill_profile)
     report = {"model": profile.meta.get("model", "?"), "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "simulated": True, "profile": str(args.profile or "default"), "profile_meta": profile.meta,
+              "tokens_per_event": profile.tokens_per_event, "drafts_per_event": profile.drafts_per_event,
               "config": {k: v for k, v in vars(args).items() if k not in ("func",)} | {"cluster": config.__dict__},
               "interference": interference_ratio(runs), "runs": runs}
     text = json.dumps(report, indent=1, default=str)

@@ -551,6 +551,18 @@ def test_a_bench_result_is_a_trace_of_its_requests_at_their_acceptance(tmp_path)
     assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in reqs] == [(0.0, 300, 21), (3.0, 120, 31)]
     tau, drafts = bench_acceptance(path)
     assert tau == pytest.approx((30 + 20) / 20) and drafts == pytest.approx(36 / 20)
+    # what `pdserve simulate` and `pdserve plan` time the decode steps at: the flags', else the result's
+    import argparse
+
+    from services.planner.plan import add_plan_args
+    from services.planner.simulate import workload_profile
+
+    plan = argparse.ArgumentParser()
+    add_plan_args(plan)
+    args = plan.parse_args(["--trace", str(path), "--slo-ttft-p90-ms", "1", "--slo-itl-p90-ms", "1"])
+    assert workload_profile(args, PROFILE).tokens_per_event == pytest.approx(tau)
+    args.tokens_per_event = 3.0
+    assert workload_profile(args, PROFILE).tokens_per_event == 3.0
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"arrival_s": 0, "prompt_tokens": 10, "output_tokens": 2}\n')
     assert bench_acceptance(trace) is None and len(read_trace(trace)) == 1
