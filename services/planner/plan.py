@@ -355,14 +355,13 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                         "more workers in the pool that sets it) and verifying again")
 
 
-# What the simulator does not calibrate on a CPU host: its profile is fitted on a disaggregated stack
-# (a nice-10 prefill worker beside a decode worker); a colocated engine (nice 0, fewer processes beside
-# it) ran faster than that fit says: one colocated engine on 2 cores, long-doc at 0.3 req/s, TTFT
-# p50 8.2 s simulated, 3.9 s real; two engines (which the simulator now lends each other's cores)
-# within 10-30% (BENCHMARKS.md, "Engines on one host's cores")
-COLOCATED_ON_CPU = ("the simulator's colocated mode is not calibrated on a CPU host (the profile was fitted on a "
-                    "disaggregated stack; one colocated engine ran faster than simulated): check this answer with "
-                    "pdserve bench")
+# What the simulator does not calibrate on a CPU host: its profile is fitted on a disaggregated stack.
+# Replaying real runs of this 2-core host (BENCHMARKS.md, "Engines on one host's cores"): two colocated
+# engines within 3-25%; one colocated engine under load 2-3x too slow (long-doc at 0.3 req/s, TTFT
+# p50 11.6 s simulated, 3.9 s real), so a plan may ask for an engine more than it needs
+COLOCATED_ON_CPU = ("the simulator's colocated mode is calibrated on a disaggregated stack: on a 2-core host two "
+                    "colocated engines simulated within 25% of real runs, one engine under load 2-3x too slow (a "
+                    "plan may ask for one engine more than needed): check this answer with pdserve bench")
 
 
 def add_caveat(result: dict[str, Any], lines: list[str], profile: Profile) -> None:

@@ -4,10 +4,9 @@
 each step an engine takes its share plus the shares of the engines idle right now (idle: holding no
 sequence), and keeps those threads to the step's end; a decode or colocated engine borrows only for
 a step that computes a prompt's chunk or holds two or more sequences. Here the cores go first to
-the shares of the engines holding sequences, weighted by nice (a prefill worker runs at nice 10, CFS
-weight 110; decode and colocated engines at nice 0, 1024), at most a core a thread; what no holding
-engine's share takes goes to the borrowers. A step on c cores takes its fitted time × a factor per
-part of it:
+the shares of the engines holding sequences (evenly, when those shares oversubscribe the host); what
+no holding engine's share takes goes to the borrowers. A step on c cores takes its fitted time × a
+factor per part of it:
 
     prefill part   speed(C) / speed(c)         speed(c) = c^a for c ≥ 1 (parallel speed-up), c below
     decode part    speed(ref) / speed(c)       a core (a thread sliced); a = log2 of the calibrated
@@ -20,15 +19,16 @@ the whole host (the decode engine idle), a decode step of two or more sequences 
 the model the calibration measures: a prefill step beside a decode worker holding sequences takes
 ×1.9, a batch-1 decode step never borrows. It also says what the calibration does not see: two
 colocated engines prefill on a core each while both hold sequences and on both while one is idle;
-three prefill workers and a decode worker on 2 cores (a core's share each) leave the decode worker
-its core (nice 0) and divide the other three ways.
+four engines on 2 cores (a core's share each: 3 + 1, 1 + 3) get half a core each while all hold
+sequences. The prefill worker runs at nice 10, but weighting the cores by nice (CFS: 110 against
+1,024) made 1 + 3 on this host's chat 3× too slow to prefill and its decode 3× too fast; evenly,
+within 20–40% (BENCHMARKS.md, "Engines on one host's cores").
 """
 
 from __future__ import annotations
 
 import math
 
-NICE_WEIGHT = {"prefill": 110, "decode": 1024, "colocated": 1024}  # CFS weights of nice 10 and nice 0
 BORROW_FROM = {"prefill": 1, "decode": 2, "colocated": 2}  # sequences a step needs to borrow (AsyncEngine)
 
 
@@ -52,29 +52,12 @@ class HostCores:
         return self.share * (1 + idle) if prefilling or sequences >= BORROW_FROM[role] else self.share
 
     def allocate(self, holding: dict[object, int]) -> dict[object, float]:
-        """The cores each engine of `holding` (engine → threads of its step) gets. Its own share
-        first, weighted by nice, at most a core a thread (water-filling: threads whose fair part
-        exceeds a core get one, the rest is shared again); the cores no holding engine's share takes
-        go to the borrowers, by threads borrowed."""
-        own: dict[object, float] = {}
-        pending = dict.fromkeys(holding, self.share)
-        total = sum(NICE_WEIGHT[e.role] * n for e, n in pending.items())
-        # no less than its weight's part of the host: a nice-10 thread shares a core with a nice-0 one
-        # and still gets its ~10% of it (the OS balances runqueues per core, not globally)
-        floor = {e: n * min(1.0, self.cores * NICE_WEIGHT[e.role] / total) for e, n in pending.items()}
-        left = float(self.cores)
-        while pending:
-            weight = sum(NICE_WEIGHT[e.role] * n for e, n in pending.items())
-            capped = [e for e in pending if left * NICE_WEIGHT[e.role] / weight >= 1.0]
-            if not capped:
-                for e, n in pending.items():
-                    own[e] = n * left * NICE_WEIGHT[e.role] / weight
-                break
-            for e in capped:
-                own[e] = pending.pop(e)
-                left -= own[e]
-        own = {e: max(c, floor[e]) for e, c in own.items()}
-        free = max(0.0, self.cores - sum(own.values()))  # (the floors may overcommit a little)
+        """The cores each engine of `holding` (engine → threads of its step) gets: its own share, or
+        an even part of the host when the holding engines' shares oversubscribe it; then the cores
+        no holding engine's share takes go to the borrowers, by threads borrowed."""
+        over = min(1.0, self.cores / (self.share * len(holding))) if holding else 1.0
+        own = dict.fromkeys(holding, self.share * over)
+        free = self.cores - sum(own.values())
         borrowing = {e: t - self.share for e, t in holding.items() if t > self.share}
         wanted = sum(borrowing.values())
         return {e: own[e] + (min(borrowing[e], free * borrowing[e] / wanted) if e in borrowing else 0.0) for e in own}
