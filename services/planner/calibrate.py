@@ -3,8 +3,8 @@
 The engine fits (profile.py) time forward passes alone, in one busy process. Served, a step also
 hands off between the event loop and the step thread, tokens cross NATS, the gateway and SSE, and
 the worker processes share the cores with those (and with whatever else runs on the machine; the
-prefill worker runs at nice 10, so it yields first). Four short runs against a real stack measure
-it:
+prefill worker runs at nice 10, so it yields first). Five short runs against a real stack measure
+it (`RUNS`, then the lending run):
 
     prefill   batch-1 TTFT at two prompt lengths:  TTFT = s_p · prefill step + request overhead
     decode    the event gap (one step), in two parts: per request of the batch-1 run, (draft tokens
@@ -13,11 +13,12 @@ it:
               in for d where the server does not report usage.draft_tokens; where the requests'
               d are too alike to read a slope from, the engine's own cost of a row is spec); then
               the plain step fitted as base + per sequence + per context token, each ≥ 0, on batch 1
-              at 128 and 768 tokens of context and the batch the `high_batch` streams' steps held
-              (fewer: a stream also waits for its next prompt's prefill and KV; how many, a
-              simulation of that run on the fit says, iterated) (the profiled step's parts scaled by
-              one factor when no such fit exists; on 2 shared cores the per-sequence part comes out
-              small: from 2 sequences a decode step borrows the idle prefill worker's core)
+              at 128 and 768 tokens of context and the batches the `high_batch` streams' and twice
+              as many streams' steps held (a chat's batch; fewer than the streams: a stream also
+              waits for its next prompt's prefill and KV; how many, a simulation of that run on
+              the fit says, iterated) (the profiled step's parts scaled by one factor when no such
+              fit exists; on 2 shared cores the per-sequence part comes out small: from 2 sequences
+              a decode step borrows the idle prefill worker's core)
     handoff   the first decode gap less a step and the kvstore's KV write + read (the profile's
               transfer fits), of the short and the long prompt: a fixed part (the job's hops) and
               one per KV block (what the kvstore paths leave out). Until the KV memory was faulted
