@@ -115,12 +115,13 @@ def read_trace(path: str | Path, *, time_scale: float = 1.0, limit: int | None =
     text = Path(path).read_text()
     bench = bench_records(text)
     rows = ({"arrival_s": r["sent_s"], "prompt_tokens": r["prompt_tokens"], "output_tokens": r["output_tokens"],
-             "kind": r.get("kind", "trace")} for r in bench) if bench is not None else \
-        (json.loads(line) for line in text.splitlines() if line.strip())
+             "kind": r.get("kind", "trace")} for r in bench) if bench is not None else text.splitlines()
     out = []
     for n, row in enumerate(rows, 1):
+        if isinstance(row, str) and not row.strip():
+            continue
         try:
-            out.append(_trace_row(row, time_scale))
+            out.append(_trace_row(json.loads(row) if isinstance(row, str) else row, time_scale))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}:{n}: {exc}") from None
         if limit is not None and len(out) >= limit:

@@ -566,3 +566,6 @@ def test_a_bench_result_is_a_trace_of_its_requests_at_their_acceptance(tmp_path)
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"arrival_s": 0, "prompt_tokens": 10, "output_tokens": 2}\n')
     assert bench_acceptance(trace) is None and len(read_trace(trace)) == 1
+    trace.write_text('{"arrival_s": 0, "prompt_tokens": 10, "output_tokens": 2}\n\n{"arrival_s": 1, "prompt_')
+    with pytest.raises(ValueError, match=r"t\.jsonl:3: "):  # a malformed line is named, blank ones counted
+        read_trace(trace)
