@@ -103,9 +103,10 @@ class LendingRun:
 
 
 # (concurrency, prompt tokens, output tokens): answers as long as the cases' (24-48 tokens), and a
-# wider batch with a chat's answers: a decode fit read off batches of 1-3 alone overcharged each
-# sequence of a chat's 8-15 by ~30% (BENCHMARKS.md, "Engines on one host's cores"). Concurrency
-# beyond 1 is for `high_batch` 4, scaled with it
+# wider batch with a chat's answers, so the decode fit is read off a chat's batch (served: 6 here),
+# not extrapolated from batches of 1-3 (BENCHMARKS.md, "Engines on one host's cores": on the AMX
+# host the plain step's base went from 8.8 to 13.0 ms, its context term from 5.9 to 3.6 us a token,
+# its per-sequence term stayed 1.6 ms). Concurrency beyond 1 is for `high_batch` 4, scaled with it
 RUNS = ((1, 128, 40), (1, 768, 12), (4, 128, 40), (8, 128, 96))
 # the streams' prompts short (the calibration's short ones), so that the long ones seldom queue behind them
 LEND_STREAMS, LEND_PROMPT, LEND_STREAM_PROMPT, LEND_INTERVAL_S, LEND_DURATION_S = 2, 768, 128, 3.0, 12.0
@@ -401,7 +402,8 @@ def calibrate(profile: Profile, runs: list) -> Profile:
              "draft (the wide runs' steps held %s), request overhead %.1f ms, handoff %.1f ms + %.2f ms a KV block, "
              "%.2f tokens per event, event gaps p10/p50/p90 at ×%.2f/%.2f/%.2f of the mean",
              s_p, 1e3 * plain_fit.base_s, 1e3 * plain_fit.per_seq_s, 1e6 * plain_fit.per_ctx_token_s, *unlent,
-             1e3 * spec, "/".join(f"{b:.2f}" for b in wide_batches), 1e3 * request_overhead, 1e3 * handoff, 1e3 * handoff_per_block, tau,
+             1e3 * spec, "/".join(f"{b:.2f}" for b in wide_batches), 1e3 * request_overhead, 1e3 * handoff,
+             1e3 * handoff_per_block, tau,
              shape[len(shape) // 10], shape[len(shape) // 2], shape[len(shape) * 9 // 10])
     plain = replace(plain, meta=meta)
     return plain.with_tokens_per_event(tau, short.extra_rows if short.drafts else None)
