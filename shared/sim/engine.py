@@ -17,6 +17,7 @@ it at the next schedule()). Nothing here allocates per token: a sequence is a ha
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 
@@ -97,8 +98,7 @@ class SimEngine:
 
     def prefilling(self) -> bool:
         """A sequence here has a prompt (or a preempted one's tokens) to compute."""
-        return any(s.num_tokens - s.computed > 1 for s in self.running) or \
-            any(s.num_tokens - s.computed > 1 for s in self.waiting)
+        return any(s.num_tokens - s.computed > 1 for s in itertools.chain(self.running, self.waiting))
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.bs)

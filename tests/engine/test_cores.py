@@ -32,61 +32,57 @@ def test_a_busy_worker_borrows_the_shares_of_the_idle_ones(tmp_path):
         CoreShare(path, 3, 0)
 
 
-async def test_the_engine_steps_on_borrowed_cores_and_lends_its_own_when_idle(tmp_path):
+async def _steps_beside_an_idle_neighbour(tmp_path, record, borrow_from: int = 1) -> int:
+    """One 4-token request through an AsyncEngine (core-share slot 0, one thread) beside an idle
+    worker (slot 1, one thread); `record(engine, neighbour)` runs before each step. Returns the
+    threads the neighbour would take once the engine is idle again."""
     path = tmp_path / "cores"
-    neighbour = CoreShare(path, 1, 1)  # an idle worker beside this one
-    threads_in_steps = []
+    neighbour = CoreShare(path, 1, 1)
     engine = make_engine()
     step = engine.step
 
     def recording_step():
-        threads_in_steps.append(torch.get_num_threads())
-        assert neighbour.threads() == 1  # this engine is busy: nothing to borrow from it
+        record(engine, neighbour)
         return step()
 
     engine.step = recording_step
-    async_engine = AsyncEngine(engine, CoreShare(path, 0, 1))
+    async_engine = AsyncEngine(engine, CoreShare(path, 0, 1), borrow_from=borrow_from)
     before = torch.get_num_threads()
     stop = asyncio.Event()
     loop = asyncio.create_task(async_engine.run(stop))
     try:
         tokens, _ = await collect(async_engine.add_request("a", prompts([9])[0], SamplingParams(temperature=0, max_tokens=4)))
         assert len(tokens) == 4
-        assert threads_in_steps and set(threads_in_steps) == {2}  # its own share + the idle neighbour's
         await asyncio.sleep(0.05)
-        assert neighbour.threads() == 2  # idle again: its core is lent back
+        return neighbour.threads()
     finally:
         stop.set()
         await loop
         torch.set_num_threads(before)
+
+
+async def test_the_engine_steps_on_borrowed_cores_and_lends_its_own_when_idle(tmp_path):
+    threads_in_steps = []
+
+    def record(engine, neighbour):
+        threads_in_steps.append(torch.get_num_threads())
+        assert neighbour.threads() == 1  # this engine is busy: nothing to borrow from it
+
+    lent_back = await _steps_beside_an_idle_neighbour(tmp_path, record)
+    assert threads_in_steps and set(threads_in_steps) == {2}  # its own share + the idle neighbour's
+    assert lent_back == 2  # idle again: its core is lent back
 
 
 async def test_a_decode_role_engine_borrows_for_a_prompt_but_not_for_a_lone_stream(tmp_path):
     """borrow_from=2 (decode and colocated workers): a batch-1 decode step keeps to its own share,
     a step that computes a prompt's chunk borrows the idle neighbour's core (a colocated engine's
     lone long prompt would otherwise prefill on half the host)."""
-    path = tmp_path / "cores"
-    CoreShare(path, 1, 1)  # an idle worker beside this one
     threads_in_steps = []
-    engine = make_engine()
-    step = engine.step
 
-    def recording_step():
+    def record(engine, neighbour):
         sched = engine.scheduler
         prefilling = any(s.num_new_tokens > 1 for s in (*sched.running, *sched.waiting))
         threads_in_steps.append((prefilling, torch.get_num_threads()))
-        return step()
 
-    engine.step = recording_step
-    async_engine = AsyncEngine(engine, CoreShare(path, 0, 1), borrow_from=2)
-    before = torch.get_num_threads()
-    stop = asyncio.Event()
-    loop = asyncio.create_task(async_engine.run(stop))
-    try:
-        tokens, _ = await collect(async_engine.add_request("a", prompts([9])[0], SamplingParams(temperature=0, max_tokens=4)))
-        assert len(tokens) == 4
-        assert set(threads_in_steps) == {(True, 2), (False, 1)}
-    finally:
-        stop.set()
-        await loop
-        torch.set_num_threads(before)
+    await _steps_beside_an_idle_neighbour(tmp_path, record, borrow_from=2)
+    assert set(threads_in_steps) == {(True, 2), (False, 1)}
