@@ -99,8 +99,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="every engine's device: cpu, or cuda (dense weights in --dtype, e.g. bfloat16; all "
                         "engines share the one GPU)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch threads per engine worker (default: the cores divided among them); an idle "
-                        "worker lends its threads to the busy ones")
+                   help="torch threads per engine worker (default: the cores divided among the workers present, "
+                        "as the autoscaler adds and drains them); an idle worker lends its threads to the busy ones")
     p.add_argument("--no-core-share", action="store_true",
                    help="each worker keeps to its own --threads, even while the others are idle")
     add_speculative_args(p)
@@ -387,7 +387,8 @@ def store_names(hosts: int, pid: int) -> list[str]:
 class WorkerRecipe:
     """The command line of worker i of a role, for `up`'s own workers and the autoscaler's: on
     played host i % hosts with that host's kvstore, its share of the cores (the cores divided among
-    the engines `up` starts) and a core-share slot of its own."""
+    the engines present: `up`'s to begin with, then as the autoscaler adds and drains) and a
+    core-share slot of its own."""
 
     def __init__(self, args: argparse.Namespace, model: str, conn: list[str], workdir: Path):
         self.args, self.model, self._conn, self.workdir = args, model, conn, workdir
@@ -421,6 +422,8 @@ class WorkerRecipe:
             argv.append("--kv-network")
         if not args.no_core_share and self.slot(role, i) < CORE_SLOTS:  # idle engines lend each other their cores
             argv += ["--core-share", str(self.workdir / "cores"), "--core-slot", str(self.slot(role, i))]
+            if not args.threads:  # … and divide the host among those present, as the autoscaler adds and drains
+                argv.append("--fair-share")
         if role == "prefill":
             return ChildSpec(name, "services.prefill", argv + ["--instance", name], STAGE_WORKERS)
         return ChildSpec(name, "services.decode", argv + ["--role", role, "--instance", name], STAGE_WORKERS)

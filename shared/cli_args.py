@@ -120,6 +120,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "(pdserve up sets it); this worker's own share is --threads")
     p.add_argument("--core-slot", type=int, default=int(env("PDSERVE_CORE_SLOT", "0")),
                    help="this worker's slot in --core-share (unique per worker on the host)")
+    p.add_argument("--fair-share", action="store_true", default=env("PDSERVE_FAIR_SHARE", "") == "1",
+                   help="with --core-share: this worker's share is the host's cores divided among the workers "
+                        "present, as they come and go (pdserve up's default); --threads is then its first steps'")
 
 
 def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
@@ -131,5 +134,5 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
         engine=engine, **connection_fields(args), kvstore=args.kvstore, kv_use_shm=not args.kv_network,
         kv_failure_policy=args.kv_failure_policy, max_inflight=args.max_inflight, ack_wait_s=args.ack_wait,
         max_deliver=args.max_deliver, lease_ttl_s=args.lease_ttl, core_share=args.core_share,
-        core_slot=args.core_slot,
+        core_slot=args.core_slot, core_fair=args.fair_share,
     )

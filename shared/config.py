@@ -127,6 +127,7 @@ class WorkerConfig(ConnectionConfig):
     lease_ttl_s: float = 60.0  # how long KV blocks wait for a decode worker
     core_share: str | None = None  # file the engines of this host lend each other idle cores through
     core_slot: int = 0  # this worker's slot in it
+    core_fair: bool = False  # its share: the host's cores divided among the workers present (else its threads)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):

@@ -542,8 +542,7 @@ class Cluster:
             return
         self.starting[kind].remove(w)
         self._pool(kind).append(w)
-        if self.cache is not None:
-            self.cache.resize(self._cache_capacity())
+        self._engines_changed()
         self._pull(w, t)
 
     def _retire_if_done(self, w: SimEngine, t: float) -> None:
@@ -551,8 +550,14 @@ class Cluster:
             w.retired_s = t
             self._pool("prefill" if w.role == "prefill" else "decode").remove(w)
             self.retired.append(w)
-            if self.cache is not None:
-                self.cache.resize(self._cache_capacity())
+            self._engines_changed()
+
+    def _engines_changed(self) -> None:
+        """A worker joined or left: the prefix cache's capacity, and the host's shares of its cores."""
+        if self.cache is not None:
+            self.cache.resize(self._cache_capacity())
+        if self.host is not None:
+            self.host.engines(len(self.prefill_pool) + len(self.decode_pool))
 
     def _finished(self, rid: int, t: float) -> None:
         self.rec.finish(rid, t)

@@ -1,6 +1,7 @@
 """Engines on one CPU host share its cores, as `pdserve up` runs them (shared/engine/cores.py).
 
-`up` gives each of its n engines a share of the host's C cores, s = max(1, C // n) threads. Before
+`up` gives each of the n engines present a share of the host's C cores, s = max(1, C // n) threads
+(n changes as an autoscaler adds and drains workers; a loading worker is not yet present). Before
 each step an engine takes its share plus the shares of the engines idle right now (idle: holding no
 sequence), and keeps those threads to the step's end; a decode or colocated engine borrows only for
 a step that computes a prompt's chunk or holds two or more sequences. Here the cores go first to
@@ -39,12 +40,19 @@ class HostCores:
         if cores < 1 or engines < 1:
             raise ValueError(f"a host needs cores and engines, got {cores} and {engines}")
         self.cores = cores
-        self.share = max(1, cores // engines)  # `pdserve up --threads` default
+        self.share = max(1, cores // engines)  # `pdserve up`'s fair share (engines())
         self.calib_share = max(1, cores // 2)  # the calibration's 1 + 1 engines
         # exponents of the parallel speed-up, (prefill part, decode part)
         self.exponent = tuple(math.log(u) / math.log(cores / self.calib_share) if cores > self.calib_share else 0.0
                               for u in unlent)
-        self.holding: dict[object, int] = {}  # engine holding sequences → threads of its step (its share between)
+        # engine holding sequences → threads of its step (its share between); None: not yet divided
+        self.holding: dict[object, int] | None = {}
+
+    def engines(self, n: int) -> None:
+        """`n` engines on the host now: each one's share is the cores divided among them (`pdserve
+        up`'s fair share, which follows the autoscaler's workers as they come and go)."""
+        self.share = max(1, self.cores // max(1, n))
+        self.holding = None  # divide the cores anew at the next event
 
     def step_threads(self, role: str, sequences: int, prefilling: bool, idle: int) -> int:
         """Threads an engine takes for a step: its share, plus the idle engines' when it may borrow

@@ -54,7 +54,8 @@ class WorkerRuntime:
         self.engine = engine
         cores = None
         if config.core_share:
-            cores = CoreShare(config.core_share, config.core_slot, engine.config.num_threads or torch.get_num_threads())
+            cores = CoreShare(config.core_share, config.core_slot,
+                              None if config.core_fair else engine.config.num_threads or torch.get_num_threads())
         # a decode step of one sequence is short and runs beside the gateway and NATS: a team of
         # borrowed threads loses more to being descheduled at its barriers than it gains (measured)
         self.async_engine = AsyncEngine(engine, cores, borrow_from=1 if config.role == "prefill" else 2)
@@ -324,6 +325,8 @@ class WorkerRuntime:
 
     async def shutdown(self) -> None:
         self.stop.set()
+        if self.async_engine.cores is not None:  # its cores are the others' from now on
+            self.async_engine.cores.close()
         if self.cache_events is not None:
             await self.cache_events.withdraw()
         for task in self._tasks:

@@ -32,6 +32,32 @@ def test_a_busy_worker_borrows_the_shares_of_the_idle_ones(tmp_path):
         CoreShare(path, 3, 0)
 
 
+def test_fair_shares_follow_the_workers_present(tmp_path):
+    """`pdserve up`'s default: each worker's share is the host's cores divided among the workers
+    present, so the autoscaler's added workers do not oversubscribe the host, and the workers left
+    after a drain take its cores back."""
+    path = tmp_path / "cores"
+    workers = [CoreShare(path, i, None, cores=16) for i in range(2)]
+    for w in workers:
+        w.set_busy(True)
+    assert [w.share for w in workers] == [8, 8]
+    workers += [CoreShare(path, i, None, cores=16) for i in (2, 3)]  # two added: idle until they step
+    assert [w.share for w in workers] == [4] * 4
+    assert workers[0].threads() == 12  # its 4 + the two idle newcomers' 4 each
+    for w in workers[2:]:
+        w.set_busy(True)
+        w.close()  # drained and gone
+    assert [w.share for w in workers[:2]] == [8, 8] and workers[0].threads() == 8
+    workers[2].set_busy(False)  # a closed worker's late step end writes nothing
+    assert workers[0].threads() == 8
+    pinned = CoreShare(path, 5, 6, cores=16)  # an explicit --threads 6 beside them, busy
+    pinned.set_busy(True)
+    assert [w.share for w in workers[:2]] == [5, 5] and pinned.share == 6
+    workers[1].set_busy(False)
+    assert pinned.threads() == 11 and workers[0].threads() == 10
+    assert CoreShare(path, 6, None, cores=2).share == 1  # never below one thread
+
+
 async def _steps_beside_an_idle_neighbour(tmp_path, record, borrow_from: int = 1) -> int:
     """One 4-token request through an AsyncEngine (core-share slot 0, one thread) beside an idle
     worker (slot 1, one thread); `record(engine, neighbour)` runs before each step. Returns the

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
+from shared.engine.cores import FAIR, SLOTS, UNUSED
 from tests.services.test_routing_e2e import ask, document, serving, wait_for
 
 pytestmark = pytest.mark.slow
@@ -20,6 +21,12 @@ pytestmark = pytest.mark.slow
 
 def workers(url: str) -> set[str]:
     return set(httpx.get(f"{url}/router", timeout=10).json()["workers"])
+
+
+def core_shares(workdir) -> dict[int, int]:
+    """The core-share file's present slots (shared/engine/cores.py): slot → its share byte (0: fair)."""
+    data = (workdir / "cores").read_bytes()
+    return {i: data[2 * i + 1] for i in range(SLOTS) if data[2 * i] != UNUSED}
 
 
 def busy_s(url: str, instance: str) -> float:
@@ -61,11 +68,14 @@ def test_under_load_a_decode_worker_is_added_then_drained_when_traffic_stops(tmp
         with asking(up.url, max_tokens=24) as (answers, errors):
             wait_for(lambda: "decode-1" in workers(up.url), "the added decode worker to be heard", 120)
             wait_for(lambda: busy_s(up.url, "decode-1") > 0, "the added decode worker to serve", 60)
+            # the host's cores are divided among the three workers present, not kept at the two's shares
+            assert core_shares(tmp_path) == {0: FAIR, 1: FAIR, 3: FAIR}
         assert not errors, errors[:3]
         assert answers and all(a["choices"][0]["message"]["content"] for a in answers)
         # traffic stopped: cold for down_after intervals → the newest decode worker drains and exits
         wait_for(lambda: "decode-1 retired" in up.log(), "decode-1 to be drained and retired", 60)
         wait_for(lambda: workers(up.url) == {"prefill-0", "decode-0"}, "decode-1 to leave the router", 30)
+        assert core_shares(tmp_path) == {0: FAIR, 1: FAIR}  # its slot freed: its cores are the others' again
         log = up.log()
         decisions = re.findall(r"autoscale: ([+-]) (\w+) (\S+)", log)
         assert decisions == [("+", "decode", "decode-1"), ("-", "decode", "decode-1")], decisions

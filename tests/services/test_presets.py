@@ -175,6 +175,9 @@ def test_hosts_spread_workers_over_one_kvstore_each(capsys):
     assert value(out.children["gateway"], "--expect") == "prefill=2,decode=3,kvstore=2"
     slots = [int(value(argv, "--core-slot")) for argv in out.workers().values()]
     assert len(set(slots)) == 5  # one machine: the engines still share its cores, each its own slot
+    assert all("--fair-share" in argv for argv in out.workers().values())  # the cores divided among those present
+    pinned = dry_run(capsys, "--threads", "3")
+    assert all(value(argv, "--threads") == "3" and "--fair-share" not in argv for argv in pinned.workers().values())
 
 
 def test_a_nats_cluster_s_urls_reach_every_child_spread_over_its_nodes(capsys):

@@ -569,3 +569,23 @@ def test_a_bench_result_is_a_trace_of_its_requests_at_their_acceptance(tmp_path)
     trace.write_text('{"arrival_s": 0, "prompt_tokens": 10, "output_tokens": 2}\n\n{"arrival_s": 1, "prompt_')
     with pytest.raises(ValueError, match=r"t\.jsonl:3: "):  # a malformed line is named, blank ones counted
         read_trace(trace)
+
+
+def test_the_shares_of_a_hosts_cores_follow_the_workers_present():
+    """`pdserve up`'s fair share: on 4 cores, 1 + 3 engines have a core each; once two decode
+    workers are drained the two left have two each, so a prompt beside a decoding stream prefills as
+    fast as on a 1 + 1 deployment (it would keep one core, and take ×2, on the shares it started with)."""
+    four = replace(PROFILE, unlent=(2.0, 1.0), meta={"device": "cpu", "machine": "x86_64 4 cores"})
+    reqs = [SimRequest(10.0, 16, 400), SimRequest(10.5, 480, 2)]
+
+    def run(cfg, scaler=None):
+        cluster = Cluster(four, cfg, scaler=scaler)
+        cluster.run([replace(r) for r in reqs], check_every=1)
+        cluster.check_invariants(final=True)
+        return cluster
+
+    drained = run(ClusterConfig(prefill=1, decode=3), Scripted([(0.0, 1, 3), (1.0, 1, 1)]))
+    static = run(ClusterConfig(prefill=1, decode=1))
+    assert len(drained.retired) == 2 and drained.host.share == static.host.share == 2
+    assert drained.rec.first_s[1] == pytest.approx(static.rec.first_s[1])
+    assert run(ClusterConfig(prefill=1, decode=3)).host.share == 1
