@@ -310,6 +310,7 @@ def start_stack(args: argparse.Namespace) -> tuple[Stack, str]:
     args = resolve_settings(args)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pdserve-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "cores").unlink(missing_ok=True)  # a reused workdir: no slots of an earlier stack's workers
     stack = Stack(workdir)
     reserve_port(args.port)  # the gateway binds it last: no embedded server may take it first
     try:
