@@ -161,7 +161,16 @@ async def pull_subscription(js: JetStreamContext, stream: str, durable: str, fil
     config = ConsumerConfig(durable_name=durable, ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
                             ack_wait=ack_wait, max_deliver=max_deliver, filter_subject=filter_subject,
                             max_ack_pending=-1, inactive_threshold=inactive_threshold)
-    return await js.pull_subscribe(filter_subject, durable=durable, stream=stream, config=config)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + JETSTREAM_WAIT_S
+    while True:  # a cluster busy or electing a leader may leave the consumer's API calls unanswered
+        try:
+            return await js.pull_subscribe(filter_subject, durable=durable, stream=stream, config=config)
+        except UNANSWERED as exc:
+            if loop.time() > deadline:
+                raise
+            log.warning("JetStream did not answer for consumer %s (%s); retrying", durable, type(exc).__name__)
+            await asyncio.sleep(0.5)
 
 
 WORKER_CONSUMER_IDLE_S = 3600.0  # a per-worker consumer outlives its worker this long (restarts keep it)

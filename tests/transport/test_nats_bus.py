@@ -4,12 +4,14 @@ cluster gets its work queues replicated 3 ways (what every service creates at st
 from __future__ import annotations
 
 import asyncio
+import subprocess
 
 import pytest
 
 from shared.protocol import subjects
 from shared.transport import nats_bus
-from shared.transport.servers import cluster_url, free_port, start_nats_cluster
+from shared.transport.servers import cluster_url, free_port, nats_server_binary, start_nats, start_nats_cluster, \
+    wait_for_port
 
 
 async def test_a_url_list_connects_past_a_dead_server(nats_server):
@@ -60,6 +62,39 @@ async def test_a_job_published_again_with_its_id_is_stored_once(nats_server):
         await js.purge_stream(subjects.PREFILL_STREAM, subject=subject)
     finally:
         await nc.close()
+
+
+async def test_a_worker_s_consumer_waits_for_jetstream_to_answer(tmp_path):
+    """A worker binding its pull consumer while JetStream does not answer (here a server without it,
+    replaced by one with it on the same port; in the 3-host test a cluster busy with four engines
+    loading) retries instead of dying at start."""
+    port = free_port()
+    plain = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    server = None
+    try:
+        wait_for_port(port, proc=plain)
+        nc = await nats_bus.connect(f"nats://127.0.0.1:{port}", "test-consumer-wait")
+        try:
+            binding = asyncio.create_task(nats_bus.pull_subscription(nc.jetstream(), subjects.DECODE_STREAM, "decode",
+                                                                     subjects.DECODE_JOBS))
+            await asyncio.sleep(1.5)
+            assert not binding.done()  # no JetStream: still trying
+            plain.terminate()
+            plain.wait(5)
+            server = await asyncio.to_thread(start_nats, port, tmp_path)
+            admin = await nats_bus.connect(server.url, "test-consumer-admin")
+            await nats_bus.ensure_streams(admin.jetstream())
+            await admin.close()
+            sub = await asyncio.wait_for(binding, 30)
+            info = await sub.consumer_info()
+            assert info.name == "decode" and info.config.filter_subject == subjects.DECODE_JOBS
+        finally:
+            await nc.close()
+    finally:
+        plain.kill()
+        if server is not None:
+            server.stop()
 
 
 @pytest.mark.slow
