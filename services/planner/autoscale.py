@@ -12,7 +12,8 @@ Policy (Autoscaler, pure: tests drive it with simulated observations):
     ones (much longer: adding is cheap to undo, removing a worker under load is not); `cooldown`
     intervals after any change to a pool before the next, so the change's effect is seen first
   * no traffic at all is cold for both pools: they shrink to their minimum
-  * never more processes than the budget — draining ones count until they have exited
+  * never beyond the budget — draining workers count until they have exited; a worker counts 1, or
+    on Kubernetes the GPUs its pod requests (`gpus`: a TP4 prefill pod 4, a TP8 decode pod 8)
   * removal drains: SIGTERM (the worker stops taking jobs, finishes what it holds, exits); the
     worker is out of the count of capacity at once and out of the budget when it has exited
 
@@ -48,7 +49,8 @@ class AutoscaleConfig:
     max_prefill: int = 4
     min_decode: int = 1
     max_decode: int = 4
-    budget: int = 6  # prefill + decode processes at most, draining ones included
+    budget: int = 6  # prefill + decode processes at most (each weighed by `gpus`), draining ones included
+    gpus: tuple[int, int] = (1, 1)  # what a worker of each pool holds of the budget (GPUs; or 1: a process)
     interval_s: float = 5.0
     up_after: int = 2  # hot intervals in a row before adding a worker
     down_after: int = 6  # cold intervals in a row before removing one
@@ -62,18 +64,28 @@ class AutoscaleConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.min_prefill <= self.max_prefill or not 0 <= self.min_decode <= self.max_decode:
             raise ValueError("autoscale: need 0 <= min <= max for each pool")
-        if self.min_prefill + self.min_decode > self.budget:
-            raise ValueError(f"autoscale: the minimums ({self.min_prefill} + {self.min_decode}) exceed the budget "
-                             f"{self.budget}")
+        if min(self.gpus) < 0 or max(self.gpus) < 1:
+            raise ValueError(f"autoscale: a worker's share of the budget must be >= 0, one pool's >= 1: {self.gpus}")
+        least = self.cost((self.min_prefill, self.min_decode))
+        if least > self.budget:
+            held = "" if self.gpus == (1, 1) else f" workers, {least} GPUs"
+            raise ValueError(f"autoscale: the minimums ({self.min_prefill} + {self.min_decode}{held}) exceed the "
+                             f"budget {self.budget}")
         if self.interval_s <= 0 or self.up_after < 1 or self.down_after <= self.up_after or self.cooldown < 0:
             raise ValueError("autoscale: need interval > 0, up_after >= 1, down_after > up_after, cooldown >= 0")
         if not 0 < self.low_water < 1 or self.slo_ttft_p90_s <= 0 or self.slo_itl_p90_s <= 0:
             raise ValueError("autoscale: need 0 < low_water < 1 and positive SLOs")
 
-    def describe(self) -> str:
+    def cost(self, counts) -> int:
+        """What `counts` workers per pool (prefill, decode) hold of the budget."""
+        return sum(n * g for n, g in zip(counts, self.gpus))
+
+    def describe(self, workers: str = "processes") -> str:
         pools = (f"engine workers {self.min_decode}–{self.max_decode}" if self.colocated
                  else f"prefill {self.min_prefill}–{self.max_prefill}, decode {self.min_decode}–{self.max_decode}")
-        return (f"autoscaling: {pools}, {self.budget} processes at most, a decision every {self.interval_s:g} s "
+        budget = f"{self.budget} {workers}" if self.gpus == (1, 1) else \
+            f"{self.budget} GPUs (a prefill worker {self.gpus[0]}, a decode worker {self.gpus[1]})"
+        return (f"autoscaling: {pools}, {budget} at most, a decision every {self.interval_s:g} s "
                 f"(SLOs: TTFT p90 {self.slo_ttft_p90_s * 1e3:g} ms, ITL p90 {self.slo_itl_p90_s * 1e3:g} ms)")
 
     def bounds(self, kind: str) -> tuple[int, int]:
@@ -124,8 +136,9 @@ class Workers:
     """The local pools' processes, as a policy changes them: the active ones per pool, the drained
     ones until they have exited, and every add and drain made through the actuator."""
 
-    def __init__(self, actuator: Actuator, initial: dict[str, list[str]]):
+    def __init__(self, actuator: Actuator, initial: dict[str, list[str]], gpus: tuple[int, int] = (1, 1)):
         self.actuator = actuator
+        self.gpus = dict(zip(KINDS, gpus))  # what a worker of each pool holds of the budget
         self.pools = {kind: PoolState(active=list(initial.get(kind, []))) for kind in KINDS}
         self.interval = 0
         self.decisions: list[Decision] = []
@@ -136,6 +149,11 @@ class Workers:
     @property
     def processes(self) -> int:
         return sum(len(p.active) + len(p.draining) for p in self.pools.values())
+
+    @property
+    def used(self) -> int:
+        """What the workers hold of the budget, draining ones included."""
+        return sum((len(p.active) + len(p.draining)) * self.gpus[k] for k, p in self.pools.items())
 
     def _next_interval(self) -> None:
         self.interval += 1
@@ -167,7 +185,7 @@ class Autoscaler(Workers):
     """The reactive policy: one worker at a time, when a pool's SLO is missed or its queue grows."""
 
     def __init__(self, config: AutoscaleConfig, actuator: Actuator, initial: dict[str, list[str]]):
-        super().__init__(actuator, initial)
+        super().__init__(actuator, initial, config.gpus)
         self.config = config
 
     def step(self, obs: Observation, now: float = 0.0) -> list[Decision]:
@@ -190,7 +208,7 @@ class Autoscaler(Workers):
                 continue
             n = len(pool.active)
             if n < lo or (pool.hot >= self.config.up_after and n < hi):
-                if self.processes >= self.config.budget:
+                if self.used + self.gpus[kind] > self.config.budget:
                     continue  # at the budget (maybe still draining): wait
                 made.append(self._add(kind, f"hot {pool.hot} intervals (pressure {pressure[kind]:.2f})"
                                       if n >= lo else "below its minimum"))
@@ -220,7 +238,7 @@ class ForecastAutoscaler(Workers):
     may get its workers an interval later."""
 
     def __init__(self, scaler: ForecastScaler, actuator: Actuator, initial: dict[str, list[str]]):
-        super().__init__(actuator, initial)
+        super().__init__(actuator, initial, scaler.gpus)
         self.scaler, self.budget = scaler, scaler.budget
         self.arrived = 0  # requests seen by the gateway since the policy started
         self.load = Load()  # work finished since then
@@ -231,7 +249,7 @@ class ForecastAutoscaler(Workers):
         self.arrived += obs.requests
         self.load += obs.finished
         targets = self.scaler.targets_for(now, self.arrived, (round(obs.prefill_waiting), round(obs.decode_waiting)),
-                                          have, self.processes - sum(have), self.budget, self.load,
+                                          have, self.used - self.scaler.cost(have), self.budget, self.load,
                                           (obs.tpot_mean_s, obs.decode_batch))
         reason = f"forecast {self.scaler.forecast():.3g} req/s"
         made = []
@@ -239,7 +257,7 @@ class ForecastAutoscaler(Workers):
             while self.count(kind) > n:
                 made.append(self._drain(kind, reason))
         for kind, n in zip(KINDS, targets):
-            while self.count(kind) < n and self.processes < self.budget:
+            while self.count(kind) < n and self.used + self.gpus[kind] <= self.budget:
                 made.append(self._add(kind, reason))
         self.decisions += made
         return made
@@ -446,7 +464,8 @@ def forecast_scaler(args, config: AutoscaleConfig, command: str, kv_path: str = 
             floor = Schedule.load(args.schedule, config.interval_s).floor
         return ForecastScaler(sizer, interval_s=config.interval_s, startup_s=args.startup_s,
                               headroom=args.headroom, min_workers=(config.min_prefill, config.min_decode),
-                              max_workers=(config.max_prefill, config.max_decode), budget=config.budget, floor=floor)
+                              max_workers=(config.max_prefill, config.max_decode), budget=config.budget,
+                              gpus=config.gpus, floor=floor)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"{command}: {exc}") from None
 
@@ -466,8 +485,10 @@ def add_limit_args(g, max_per_pool: int, what: str) -> None:
     g.add_argument("--slo-itl-p90-ms", type=float, default=None, help="default: 250 (`pdserve up --plan`: the plan's)")
 
 
-def limits_config(args, *, colocated: bool = False, started: tuple[int, int] = (0, 0)) -> AutoscaleConfig:
-    """AutoscaleConfig from `add_limit_args`' arguments; a pool's maximum is at least `started`."""
+def limits_config(args, *, colocated: bool = False, started: tuple[int, int] = (0, 0),
+                  gpus: tuple[int, int] = (1, 1)) -> AutoscaleConfig:
+    """AutoscaleConfig from `add_limit_args`' arguments; a pool's maximum is at least `started`; a
+    worker of each pool holds `gpus` of the budget (the default budget: both pools at their maximum)."""
     if getattr(args, "schedule", None) and args.policy != "forecast":
         raise ValueError("--schedule is a floor under the forecast policy: give --policy forecast")
     max_prefill = 0 if colocated else max(args.max_prefill, started[0])
@@ -476,7 +497,8 @@ def limits_config(args, *, colocated: bool = False, started: tuple[int, int] = (
                        ((args.slo_ttft_p90_ms, 2000.0), (args.slo_itl_p90_ms, 250.0)))
     return AutoscaleConfig(min_prefill=0 if colocated else args.min_prefill, max_prefill=max_prefill,
                            min_decode=args.min_decode, max_decode=max_decode,
-                           budget=args.budget or max_prefill + max_decode, colocated=colocated,
+                           budget=args.budget or max_prefill * gpus[0] + max_decode * gpus[1], gpus=gpus,
+                           colocated=colocated,
                            interval_s=args.autoscale_interval, slo_ttft_p90_s=ttft_ms / 1e3, slo_itl_p90_s=itl_ms / 1e3)
 
 

@@ -26,7 +26,8 @@ standard errors: not a dip, nor a step down that a line would carry on), after `
 on the planning study's daily swing, holding a declining pool three intervals longer cost ~3% of
 the hour's GPU time (BENCHMARKS.md). Bounds: each
 pool within [min, max], both within the budget (if the forecast exceeds it, both pools get their
-share of the budget and the SLOs are at risk, which the run reports).
+share of the budget and the SLOs are at risk, which the run reports). The budget is in `gpus`: what
+a worker of each pool holds (a TP4 prefill pod 4, a TP8 decode pod 8), or 1 each, counting workers.
 
 How many workers a rate needs comes from a sizer:
   * `Capacity`: req/s one worker of each pool carries, given (`pdserve plan` prints it for the load
@@ -240,7 +241,8 @@ class ForecastScaler:
     down_after_falling: int = 1  # … while the forecast line falls beyond 3 standard errors (forecast())
     min_workers: tuple[int, int] = (1, 1)
     max_workers: tuple[int, int] = (10_000, 10_000)
-    budget: int = 20_000  # prefill + decode workers
+    budget: int = 20_000  # prefill + decode workers, each weighed by `gpus`
+    gpus: tuple[int, int] = (1, 1)  # what a worker of each pool holds of the budget (GPUs; or 1: a worker)
     queue_per_worker: float = 2.0  # waiting jobs per worker of a pool that are not yet backlog
     mix_requests: int = 200  # the mix: of the latest intervals that finished this many (a change shows soon)
     rate_requests: int = 10  # the trend is fitted over intervals that hold this many arrivals, where it takes more
@@ -266,8 +268,13 @@ class ForecastScaler:
             raise ValueError("forecast scaler: need interval > 0, startup >= 0, headroom >= 0, "
                              "2 <= history <= max_history, down_after(_falling) >= 1, surprise > 0")
         if any(lo < 1 or lo > hi for lo, hi in zip(self.min_workers, self.max_workers)) or \
-                sum(self.min_workers) > self.budget:
-            raise ValueError("forecast scaler: need 1 <= min <= max per pool and the minimums within the budget")
+                min(self.gpus) < 0 or max(self.gpus) < 1 or self.cost(self.min_workers) > self.budget:
+            raise ValueError("forecast scaler: need 1 <= min <= max per pool, the minimums within the budget "
+                             "and a worker's share of it (gpus) >= 0, one pool's >= 1")
+
+    def cost(self, counts) -> int:
+        """What `counts` workers per pool hold of the budget."""
+        return sum(n * g for n, g in zip(counts, self.gpus))
 
     def _window(self) -> list[float]:
         """The rates (one per interval) the forecast is fitted over: the last `history` intervals,
@@ -365,11 +372,11 @@ class ForecastScaler:
                     budget: int, load: Load | None = None,
                     decode_seen: tuple[float, float] | None = None) -> tuple[int, int]:
         """`targets` for a fleet that stands at `have` workers per pool (changed outside or not),
-        with `leaving` more still draining: they hold part of `budget` until they are gone.
+        with workers still draining that hold `leaving` of `budget` until they are gone.
         `decode_seen`: (the interval's mean time per token, the mean sequences per decode worker),
         from which the profile's decode step is corrected (`observe_decode`)."""
         self.current = list(have)
-        self.budget = max(sum(self.min_workers), budget - leaving)
+        self.budget = max(self.cost(self.min_workers), budget - leaving)
         if decode_seen is not None:
             self.observe_decode(*decode_seen)
         return self.targets(now, arrived, waiting, load)
@@ -428,8 +435,8 @@ class ForecastScaler:
         need = [self.sizer.workers(i, w, mix) for i, w in enumerate(want)]
         need = [self.current[i] if n is None else n for i, n in enumerate(need)]  # no mix known yet: as it is
         need = [min(max(n, lo), hi) for n, lo, hi in zip(need, least, self.max_workers)]
-        if sum(need) > self.budget:  # each pool its share of the budget
-            scale = self.budget / sum(need)
+        if self.cost(need) > self.budget:  # each pool its share of the budget
+            scale = self.budget / self.cost(need)
             need = [max(lo, math.floor(n * scale)) for n, lo in zip(need, self.min_workers)]
         for i, n in enumerate(need):
             if n >= self.current[i]:
@@ -440,7 +447,8 @@ class ForecastScaler:
                 if len(self.lower[i]) >= (self.down_after_falling if self.falling else self.down_after):
                     self.current[i] = max(self.lower[i])
                     self.lower[i].clear()
-        while sum(self.current) > self.budget:  # a pool held up by hysteresis yields to the one growing
-            i = max((0, 1), key=lambda k: self.current[k] - need[k])
+        while self.cost(self.current) > self.budget:  # a pool held up by hysteresis yields to the one growing
+            i = max((k for k in (0, 1) if self.current[k] > self.min_workers[k] and self.gpus[k]),
+                    key=lambda k: (self.current[k] - need[k]) * self.gpus[k])
             self.current[i] -= 1
         return tuple(self.current)

@@ -86,6 +86,14 @@ class KubeClient:
         scale = self._call("GET", self._scale_path(deployment))
         return int(scale.get("spec", {}).get("replicas", 0)), scale.get("status", {}).get("selector", "")
 
+    def gpus_per_pod(self, deployment: str) -> int:
+        """The accelerators a Deployment's pod asks for: the `*/gpu` resource limits (nvidia.com/gpu,
+        amd.com/gpu, …) of its containers, summed (0: a CPU pod)."""
+        d = self._call("GET", f"/apis/apps/v1/namespaces/{self.namespace}/deployments/{deployment}")
+        containers = d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])
+        return sum(int(value) for c in containers for name, value in
+                   (c.get("resources", {}).get("limits") or {}).items() if name.endswith("/gpu"))
+
     def set_replicas(self, deployment: str, n: int) -> None:
         self._call("PATCH", self._scale_path(deployment), {"spec": {"replicas": n}})
 
@@ -136,10 +144,16 @@ class KubeActuator:
         n, _ = self.client.replicas(deployment)
         self.client.set_replicas(deployment, max(0, n - 1))
 
-    def terminating(self) -> int:
-        """Pods of the pools still terminating (draining) now."""
-        return sum(1 for d in self.deployments.values() for p in self.client.pods(self._selector(d))
-                   if p.get("metadata", {}).get("deletionTimestamp"))
+    def terminating(self) -> dict[str, int]:
+        """Pods of each pool still terminating (draining) now."""
+        return {kind: sum(1 for p in self.client.pods(self._selector(d))
+                          if p.get("metadata", {}).get("deletionTimestamp")) for kind, d in self.deployments.items()}
+
+    def gpus(self) -> tuple[int, int]:
+        """What a pod of each pool holds of the budget: the GPUs it asks for, where either pool's pods
+        ask for any (a pool of CPU pods then holds none of it); else 1 each, counting pods."""
+        gpus = tuple(self.client.gpus_per_pod(self.deployments[kind]) for kind in KINDS)
+        return gpus if any(gpus) else (1, 1)
 
     def exited(self, name: str) -> bool:
         deployment = name.rsplit("/", 1)[0]
@@ -162,6 +176,7 @@ class KubePlanner:
         initial = {kind: actuator.names(kind, counts[kind]) for kind in KINDS}
         watcher = MetricsWatcher(lambda: actuator.gateway_urls(gateway, gateway_port))
         self.live = LiveAutoscaler(config, "", actuator, initial, watcher=watcher, clock=clock)
+        self.interval_s = config.interval_s
 
     def adopt(self) -> None:
         """Replica counts set by someone else (kubectl scale / apply) become the planner's count."""
@@ -189,6 +204,7 @@ class ForecastKubePlanner:
     def __init__(self, scaler: ForecastScaler, actuator: KubeActuator, gateway: str, gateway_port: int,
                  clock=time.monotonic):
         self.scaler, self.actuator, self.clock = scaler, actuator, clock
+        self.interval_s = scaler.interval_s
         self.budget = scaler.budget
         self.watcher = MetricsWatcher(lambda: actuator.gateway_urls(gateway, gateway_port))
         self.arrived = 0  # requests seen by the gateways since the planner started
@@ -215,10 +231,11 @@ class ForecastKubePlanner:
             log.warning("planner: replicas are %s, the planner set %s: adopting them", have, self.scaler.current)
         self.arrived += obs.requests
         self.load += obs.finished
-        targets = dict(zip(KINDS, self.scaler.targets_for(now, self.arrived, (round(obs.prefill_waiting),
-                                                                             round(obs.decode_waiting)),
-                                                          have, self.actuator.terminating(), self.budget, self.load,
-                                                          (obs.tpot_mean_s, obs.decode_batch))))
+        terminating = self.actuator.terminating()
+        leaving = self.scaler.cost(terminating[k] for k in KINDS)  # what draining pods still hold of the budget
+        waiting = (round(obs.prefill_waiting), round(obs.decode_waiting))
+        targets = dict(zip(KINDS, self.scaler.targets_for(now, self.arrived, waiting, have, leaving, self.budget,
+                                                          self.load, (obs.tpot_mean_s, obs.decode_batch))))
         for kind, n in targets.items():
             if n != counts[kind]:
                 log.info("planner: %s %d -> %d (forecast %.3g req/s)", kind, counts[kind], n, self.scaler.forecast())
@@ -237,33 +254,72 @@ def add_planner_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--gateway-port", type=int, default=8000)
     k.add_argument("--prefill-deployment", default="prefill")
     k.add_argument("--decode-deployment", default="decode")
-    add_limit_args(p.add_argument_group("pools, budget (pods) and SLOs"), max_per_pool=8, what="pods")
+    g = p.add_argument_group("pools, budget (pods, or GPUs) and SLOs")
+    add_limit_args(g, max_per_pool=8, what="pods (or their GPUs: --gpus-per-pod)")
+    g.add_argument("--gpus-per-pod", type=_pair, default=None, metavar="PREFILL,DECODE",
+                   help="what a prefill and a decode pod hold of --budget (default: the GPUs their Deployments' "
+                        "pods ask for, e.g. 4,8 for TP4 prefill and TP8 decode; 1,1, counting pods, where they ask "
+                        "for none)")
     add_policy_args(p.add_argument_group("policy"), what="pod", startup_s=120.0)
 
 
-def planner_from_args(args, config: AutoscaleConfig) -> KubePlanner | ForecastKubePlanner:
+def _pair(text: str) -> tuple[int, int]:
+    try:
+        p, d = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected PREFILL,DECODE (two integers), got {text!r}") from None
+    return p, d
+
+
+def planner_from_args(args, gpus: tuple[int, int] | None = None,
+                      stop: threading.Event | None = None) -> KubePlanner | ForecastKubePlanner | None:
+    """The planner the flags ask for. Its budget weighs each pod by `gpus` (prefill, decode): given,
+    or `--gpus-per-pod`, or read from the Deployments' pods (their GPU limits), asked again while
+    the API server cannot be reached (None: `stop` was set first); the flags are checked before."""
+    config = limits_config(args, gpus=gpus or args.gpus_per_pod or (1, 1))
     scaler = forecast_scaler(args, config, "pdserve planner", kv_path="network") if args.policy == "forecast" else None
     if args.kube_api:
         client = KubeClient(args.kube_api, args.namespace or "default", args.kube_token_file, args.kube_ca_file)
     else:
         client = KubeClient.in_cluster(args.namespace)
     actuator = KubeActuator(client, {"prefill": args.prefill_deployment, "decode": args.decode_deployment})
+    if gpus is None and args.gpus_per_pod is None:
+        read = _retrying(actuator.gpus, stop)
+        if read is None:
+            return None
+        if read != (1, 1):
+            return planner_from_args(args, read, stop)
+    log.info("%s", config.describe("pods"))
     if scaler is not None:
         return ForecastKubePlanner(scaler, actuator, args.gateway_deployment, args.gateway_port)
     return KubePlanner(config, actuator, args.gateway_deployment, args.gateway_port)
 
 
+def _retrying(call, stop: threading.Event | None, every_s: float = 5.0):
+    """`call()`, again every `every_s` while the API server cannot be reached; None once `stop` is
+    set (without one, the error is raised)."""
+    while True:
+        try:
+            return call()
+        except OSError as exc:
+            if stop is None:
+                raise
+            log.warning("planner: %s; retrying in %g s", exc, every_s)
+            if stop.wait(every_s):
+                return None
+
+
 def cmd_planner(args) -> int:
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = limits_config(args)
-    log.info("%s", config.describe().replace("processes", "pods"))
-    planner = planner_from_args(args, config)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    planner = planner_from_args(args, stop=stop)
+    if planner is None:  # stopped before the API server answered
+        return 0
     while not stop.is_set():
         try:
             planner.tick()
         except OSError as exc:  # the API server or a gateway unreachable: decide nothing blind, retry
             log.warning("planner: %s; retrying next interval", exc)
-        stop.wait(min(1.0, config.interval_s / 5))
+        stop.wait(min(1.0, planner.interval_s / 5))
     return 0

@@ -287,7 +287,7 @@ def test_disruption_budgets_and_autoscalers(k8s):
 def test_the_planner_may_only_scale_the_pools_and_its_flags_parse(k8s):
     """`pdserve planner` (components/planner, in both overlays): its command line parses with pdserve's
     own parser; its bounds hold the pools' starting counts; its service account can read and write
-    the pools' scale subresource and list pods, nothing more."""
+    the pools' scale subresource, read their Deployments and list pods, nothing more."""
     from services.cli import build_parser
     from services.planner.autoscale import limits_config
 
@@ -310,7 +310,7 @@ def test_the_planner_may_only_scale_the_pools_and_its_flags_parse(k8s):
     grants = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
               for v in rule["verbs"]}
     assert grants == {("apps", "deployments/scale", "get"), ("apps", "deployments/scale", "patch"),
-                      ("", "pods", "list")}
+                      ("apps", "deployments", "get"), ("", "pods", "list")}
 
 
 def test_connection_settings(k8s):

@@ -116,6 +116,25 @@ def test_step_up_steady_then_traffic_stops():
         assert actions == sorted(actions, key=lambda a: a == "drain"), actions
 
 
+def test_a_budget_of_gpus_weighs_each_pool_s_workers():
+    """A TP4 prefill worker holds 4 of a 24-GPU budget, a TP8 decode worker 8: under a load both
+    pools miss, 1 + 1 (12 GPUs) grows to what fits — never past 24, draining workers included."""
+    gpus = AutoscaleConfig(min_prefill=1, max_prefill=6, min_decode=1, max_decode=6, budget=24, gpus=(4, 8),
+                           interval_s=5.0, up_after=2, down_after=4, cooldown=1)
+    cluster = FakeCluster(gpus.interval_s)
+    scaler = Autoscaler(gpus, cluster, {"prefill": ["prefill-0"], "decode": ["decode-0"]})
+    for rate in [3.0] * 30 + [0.0] * 60:  # then quiet until the backlog is served and the pools drained
+        scaler.step(cluster.interval(rate))
+        held = sum(4 if p["kind"] == "prefill" else 8 for p in cluster.alive.values())
+        assert held == scaler.used <= 24
+    grown = [(d.kind, d.action) for d in scaler.decisions if d.action == "add"]
+    assert grown and 4 * (1 + grown.count(("prefill", "add"))) + 8 * (1 + grown.count(("decode", "add"))) >= 20
+    assert (scaler.count("prefill"), scaler.count("decode")) == (1, 1)
+    with pytest.raises(ValueError, match=r"minimums \(1 \+ 1 workers, 12 GPUs\) exceed the budget 10"):
+        replace(gpus, budget=10)
+    assert "24 GPUs (a prefill worker 4, a decode worker 8)" in gpus.describe()
+
+
 def test_drains_before_removing_and_never_exceeds_the_budget():
     tight = AutoscaleConfig(min_prefill=1, max_prefill=6, min_decode=1, max_decode=6, budget=5, interval_s=5.0,
                             up_after=2, down_after=4, cooldown=1)

@@ -29,9 +29,10 @@ class StandInKube:
     """Deployments as {name: replicas} and their pods; scaling creates ready pods or marks the
     newest ones terminating. `exit_terminating` is the kubelet seeing a drained worker exit."""
 
-    def __init__(self, replicas: dict[str, int], gateway_ips: list[str]):
+    def __init__(self, replicas: dict[str, int], gateway_ips: list[str], gpus: dict[str, int] | None = None):
         self.lock = threading.Lock()
         self.replicas = dict(replicas)
+        self.gpus = gpus or {}  # a Deployment's pods' nvidia.com/gpu limit (none: CPU pods)
         self.pods: dict[str, list[dict]] = {d: [] for d in replicas}
         self.patches: list[tuple[str, int]] = []
         self.serial = 0
@@ -71,6 +72,9 @@ class StandInKube:
                         return self._send(200, {"kind": "Scale", "spec": {"replicas": stand_in.replicas[d]},
                                                 "status": {"replicas": stand_in.replicas[d],
                                                            "selector": f"app.kubernetes.io/component={d}"}})
+                    if parts[:6] == ["apis", "apps", "v1", "namespaces", NS, "deployments"] and len(parts) == 7 \
+                            and parts[6] in stand_in.replicas and method == "GET":
+                        return self._send(200, stand_in.deployment(parts[6]))
                     if parts == ["api", "v1", "namespaces", NS, "pods"] and method == "GET":
                         selector = urllib.parse.parse_qs(url.query)["labelSelector"][0]
                         d = selector.split("=", 1)[1]
@@ -86,6 +90,12 @@ class StandInKube:
         self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def deployment(self, d: str) -> dict:
+        limits = {"cpu": "8", "memory": "64Gi"} | ({"nvidia.com/gpu": str(self.gpus[d])} if d in self.gpus else {})
+        return {"kind": "Deployment", "metadata": {"name": d}, "spec": {"replicas": self.replicas[d], "template": {
+            "spec": {"containers": [{"name": "pdserve", "resources": {"limits": limits}},
+                                    {"name": "sidecar", "resources": {"limits": {"memory": "1Gi"}}}]}}}}
 
     def _pod(self, d: str, ip: str = "127.0.0.1") -> dict:
         self.serial += 1
@@ -431,3 +441,54 @@ def test_forecast_policy_with_a_schedule_holds_its_pods_ahead_of_the_load(system
     for _ in range(8):  # traffic stops: down to the schedule's pods, not the minimum
         interval()
     assert (kube.replicas["prefill"], kube.replicas["decode"]) == (4, 2)
+
+
+def test_the_budget_counts_the_gpus_a_pod_asks_for(system, tmp_path):
+    """TP4 prefill pods and TP8 decode pods: `pdserve planner` reads each pool's GPUs from its
+    Deployment and holds the pools within a budget of GPUs — both grown in proportion when the
+    forecast wants more than it, pods still terminating weighed by their GPUs. `--gpus-per-pod`
+    overrides what the Deployments say; pods that ask for no GPU count one each."""
+    from services.cli import build_parser
+    from services.planner.kube import ForecastKubePlanner, planner_from_args
+
+    kube, gateways, _, port = system
+    token = tmp_path / "token"
+
+    def planner(*flags):
+        args = build_parser().parse_args(["planner", "--kube-api", kube.url, "--namespace", NS, "--kube-token-file",
+                                          str(token), "--gateway-port", str(port), *flags])
+        return planner_from_args(args)
+
+    reactive = planner("--budget", "10")
+    assert reactive.live.config.gpus == (1, 1) and reactive.live.config.budget == 10  # CPU pods: pods
+    kube.gpus = {"prefill": 4, "decode": 8}
+    reactive = planner()
+    assert reactive.live.config.gpus == (4, 8) and reactive.live.config.budget == 8 * 4 + 8 * 8  # both at max
+    assert planner("--gpus-per-pod", "2,2").live.config.gpus == (2, 2)
+    with pytest.raises(ValueError, match="exceed the budget 10"):  # 1 + 1 pods hold 12 GPUs
+        planner("--budget", "10")
+
+    clock = [0.0]
+    forecast = planner("--policy", "forecast", "--capacity", "2,5", "--budget", "48", "--headroom", "0",
+                       "--startup-s", "0", "--autoscale-interval", "10", "--max-prefill", "20", "--max-decode", "20")
+    assert isinstance(forecast, ForecastKubePlanner) and forecast.scaler.gpus == (4, 8)
+    forecast.clock = lambda: clock[0]
+
+    def interval(per_gateway=0):
+        for g in gateways:
+            g.serve(per_gateway, 0.01)
+        forecast.tick()
+        clock[0] += 10.0
+        return kube.replicas["prefill"], kube.replicas["decode"]
+
+    interval()
+    # 20 req/s wants 10 prefill + 4 decode pods: 72 GPUs; within 48, each pool two thirds of its want
+    for _ in range(2):
+        p, d = interval(100)
+        assert 4 * p + 8 * d <= 48 and p >= 6 and d >= 2, (p, d)
+    for _ in range(forecast.scaler.down_after + 1):  # quiet: down to one pod each, the rest terminating
+        interval()
+    assert (kube.replicas["prefill"], kube.replicas["decode"]) == (1, 1)
+    leaving = 4 * kube.terminating("prefill") + 8 * kube.terminating("decode")
+    p, d = interval(100)  # the load back while they drain: their GPUs still held
+    assert 4 * p + 8 * d + leaving <= 48, (p, d, leaving)
