@@ -132,7 +132,7 @@ def _value(summary: dict[str, Any], metric: str, q: str | None) -> float:
 
 def compare(cases=CASES, seed: int = 4242, quick_profile: bool = True) -> dict[str, Any]:
     """Profile, calibrate and run every case for real and in simulation; relative errors per metric."""
-    from services.planner.calibrate import calibrate, engine_up_args, host_scale, measure_stack
+    from services.planner.calibrate import calibrate, engine_up_args, host_scale, logging_steps, measure_stack
     from services.planner.profile import ProfileConfig, run_profile
     from services.up import add_up_args, start_stack, wait_healthy
     from shared.model.hub import resolve_model_path
@@ -153,13 +153,14 @@ def compare(cases=CASES, seed: int = 4242, quick_profile: bool = True) -> dict[s
     gguf = str(resolve_model_path(None))
     parser = argparse.ArgumentParser()
     add_up_args(parser)
-    args = parser.parse_args(["--port", str(free_port()), "--workdir", tempfile.mkdtemp(prefix="pdserve-acc-"),
-                              *engine_up_args(engine)])
-    stack, url = start_stack(args)
+    workdir = Path(tempfile.mkdtemp(prefix="pdserve-acc-"))
+    args = parser.parse_args(["--port", str(free_port()), "--workdir", str(workdir), *engine_up_args(engine)])
+    with logging_steps(workdir):  # the calibration reads the decode steps' costs off the engines' own log
+        stack, url = start_stack(args)
     rows = []
     try:
         wait_healthy(stack, url, timeout=180)
-        profile = calibrate(engine_profile, measure_stack(url, gguf, scale=scale))
+        profile = calibrate(engine_profile, *measure_stack(url, gguf, scale=scale, steps_dir=workdir))
         for i, case in enumerate(c.scaled(scale) for c in cases):
             real, tau, drafts = _real(url, gguf, case, seed + i)
             sim = _simulated(profile.with_tokens_per_event(tau, drafts), case, seed + i)

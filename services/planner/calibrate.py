@@ -19,6 +19,12 @@ it (`RUNS`, then the lending run):
               the fit says, iterated) (the profiled step's parts scaled by one factor when no such
               fit exists; on 2 shared cores the per-sequence part comes out small: from 2 sequences
               a decode step borrows the idle prefill worker's core)
+    widths    where the stack's engines log their steps (`logging_steps`: `pdserve profile --stack` and
+              the accuracy comparison do), the decode fits are read off the engine's own served
+              decode steps instead, apart by width (`decode_steps`): on its share of the host and on
+              the whole host (on 2 cores a step on both pays ~5 ms more a step and about half as much
+              a row), each plus what an event adds to a step (the batch-1 run's gap less its logged
+              step); the lending run's decode slowdown is then the widths' (`Profile.decode_wide`)
     handoff   the first decode gap less a step and the kvstore's KV write + read (the profile's
               transfer fits), of the short and the long prompt: a fixed part (the job's hops) and
               one per KV block (what the kvstore paths leave out). Until the KV memory was faulted
@@ -50,8 +56,12 @@ import argparse
 import json
 import logging
 import math
+import os
 import tempfile
+import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -191,9 +201,11 @@ def drafts_per_event(records) -> float | None:
 
 
 def measure_stack(base_url: str, gguf: str | None, high_batch: int = 4, seed: int = 9000,
-                  scale: float = 1.0) -> list[CalibrationRun]:
+                  scale: float = 1.0, steps_dir: Path | None = None) -> tuple[list, dict | None]:
     """Closed-loop runs (each its own prompts) against the server at `base_url`, stretched by
-    `scale` (`host_scale`): prompts that much shorter, the lending run's arrivals further apart."""
+    `scale` (`host_scale`): prompts that much shorter, the lending run's arrivals further apart.
+    With `steps_dir` (a stack started under `logging_steps` there), the decode steps its engines
+    logged after the warm-up, fitted by width (`decode_steps`; None otherwise)."""
     from services.bench.runner import BenchConfig, run_benchmark
 
     # a fresh stack's first requests pay one-off costs (first calls of each shape, connections):
@@ -201,6 +213,7 @@ def measure_stack(base_url: str, gguf: str | None, high_batch: int = 4, seed: in
     run_benchmark(BenchConfig(base_url, workload="chat", num_requests=6, max_concurrency=high_batch,
                               prompt_tokens=scale_tokens((128, 768), scale), output_tokens=(8, 24), tokenizer=gguf,
                               progress=False, seed=seed - 1))
+    since = time.time()
     runs = []
     for k, (batch, prompt, out) in enumerate(RUNS):
         batch = batch * high_batch // 4 if batch > 1 else 1
@@ -221,7 +234,10 @@ def measure_stack(base_url: str, gguf: str | None, high_batch: int = 4, seed: in
                  "%.2f tokens per event", batch, prompt, s["itl_ms"]["mean"], s["tpot_ms"]["mean"], s["ttft_ms"]["p50"],
                  runs[-1].tokens_per_event)
     runs.append(measure_lending(base_url, gguf, seed + len(RUNS), scale))
-    return runs
+    steps = None if steps_dir is None else decode_steps(steps_dir, since, os.cpu_count() or 1)
+    if steps_dir is not None and steps is None:
+        log.warning("calibration: too few logged decode steps of each width to fit them apart; one fit for both")
+    return runs, steps
 
 
 def measure_lending(base_url: str, gguf: str | None, seed: int, scale: float = 1.0) -> LendingRun:
@@ -316,9 +332,11 @@ def _served_batch(profile: Profile, run: CalibrationRun) -> float:
     return squares / rows if rows else float(run.batch)
 
 
-def calibrate(profile: Profile, runs: list) -> Profile:
+def calibrate(profile: Profile, runs: list, steps: dict | None = None) -> Profile:
     """The profile with its fits scaled to what the served runs showed (`measure_stack`'s runs:
-    the CalibrationRuns of RUNS, then a LendingRun; recorded before 2026-12-07, without the wider one)."""
+    the CalibrationRuns of RUNS, then a LendingRun; recorded before 2026-12-07, without the wider one).
+    `steps`: the served decode steps' fits by width (`decode_steps`), where the runs logged them: the
+    decode fits are then those, plus what an event adds to a step (its hops to the client)."""
     short, long, *wide_runs, lending = runs
     wide = wide_runs[0]
 
@@ -379,24 +397,31 @@ def calibrate(profile: Profile, runs: list) -> Profile:
                     request_overhead_s=request_overhead,
                     handoff_s=handoff, handoff_per_block_s=handoff_per_block, tokens_per_event=1.0,
                     drafts_per_event=0.0 if short.drafts else None, spec_token_s=spec, itl_shape=shape, unlent=unlent)
-    # the wide runs' streams also wait for their prompts' prefill and their KV: their steps held fewer
-    # than `batch` sequences. How many, their simulations say (on the fit they give, so again)
     wide_batches = [float(r.batch) for r in wide_runs]
-    for _ in range(4):
-        served = [_served_batch(plain.with_tokens_per_event(r.tokens_per_event, r.extra_rows if r.drafts else None), r)
-                  for r in wide_runs]
-        if max(abs(a - b) for a, b in zip(served, wide_batches)) < 0.01:
-            break
-        wide_batches = served
-        plain = replace(plain, decode=decode_fit(wide_batches))
+    event_overhead = None
+    if steps is not None:  # the engine's own steps, on its share and on the whole host, + an event's hops
+        plain, event_overhead = _stepped(plain, short, steps)
+        spec = plain.spec_token_s
+    else:
+        # the wide runs' streams also wait for their prompts' prefill and their KV: their steps held
+        # fewer than `batch` sequences. How many, their simulations say (on the fit they give, so again)
+        for _ in range(4):
+            served = [_served_batch(plain.with_tokens_per_event(r.tokens_per_event, r.extra_rows if r.drafts else None),
+                                    r) for r in wide_runs]
+            if max(abs(a - b) for a, b in zip(served, wide_batches)) < 0.01:
+                break
+            wide_batches = served
+            plain = replace(plain, decode=decode_fit(wide_batches))
     wide_batch = wide_batches[0]
+    unlent = plain.unlent
     plain_fit = plain.decode
     meta = dict(profile.meta) | {"calibration": {
         "prefill_slowdown": s_p, "decode_plain_fit": asdict(plain_fit),
         "spec_token_s": spec, "request_overhead_s": request_overhead, "tokens_per_event": tau,
         "drafts_per_event": short.extra_rows if short.drafts else None, "itl_shape": shape,
         "unlent": unlent, "handoff_s": handoff, "handoff_per_block_s": handoff_per_block, "wide_batch": wide_batch,
-        "wide_batches": wide_batches, "runs": [r.__dict__ for r in runs]}}
+        "wide_batches": wide_batches, "runs": [r.__dict__ for r in runs],
+        **({} if steps is None else {"decode_steps": steps, "event_overhead_s": event_overhead})}}
     log.info("calibration: prefill ×%.2f, plain decode step %.2f ms + %.2f ms a sequence + %.3f µs a context token, "
              "×%.2f a prefill step and ×%.2f a decode step that cannot borrow, %.1f ms more a sequence's step a "
              "draft (the wide runs' steps held %s), request overhead %.1f ms, handoff %.1f ms + %.2f ms a KV block, "
@@ -405,8 +430,85 @@ def calibrate(profile: Profile, runs: list) -> Profile:
              1e3 * spec, "/".join(f"{b:.2f}" for b in wide_batches), 1e3 * request_overhead, 1e3 * handoff,
              1e3 * handoff_per_block, tau,
              shape[len(shape) // 10], shape[len(shape) // 2], shape[len(shape) * 9 // 10])
+    if event_overhead is not None:
+        w = plain.decode_wide
+        log.info("calibration, the engine's logged decode steps: on its share %.2f ms + %.2f ms a sequence + %.2f ms "
+                 "a draft row, on the whole host %.2f ms + %.2f ms + %.2f ms (each with %.1f ms an event adds)",
+                 1e3 * plain_fit.base_s, 1e3 * plain_fit.per_seq_s, 1e3 * spec, 1e3 * w.base_s, 1e3 * w.per_seq_s,
+                 1e3 * plain.spec_token_wide_s, 1e3 * event_overhead)
     plain = replace(plain, meta=meta)
     return plain.with_tokens_per_event(tau, short.extra_rows if short.drafts else None)
+
+
+def _stepped(plain: Profile, short: CalibrationRun, steps: dict) -> tuple[Profile, float]:
+    """`plain` with its decode fits read off the served engine's steps (`decode_steps`): on its share
+    of the host (`decode`, `spec_token_s`) and on the whole host (`decode_wide`, `spec_token_wide_s`),
+    each plus what an event adds to a step: the batch-1 run's event gap less its logged step. The
+    decode slowdown the lending run saw is then the width's (a step of 2 streams on one core while
+    the other prefills), not a factor more (unlent's decode part 1)."""
+    share, wide = steps["share"], steps["wide"]
+    ctx = short.prompt_tokens + short.output_tokens // 2
+    step = (share["base_s"] + share["per_seq_s"] + share["per_draft_s"] * short.extra_rows
+            + share["per_ctx_token_s"] * ctx)
+    overhead = max(0.0, short.event_gap_s - step)
+    return replace(plain, decode=DecodeFit(share["base_s"] + overhead, share["per_seq_s"], share["per_ctx_token_s"]),
+                   spec_token_s=share["per_draft_s"],
+                   decode_wide=DecodeFit(wide["base_s"] + overhead, wide["per_seq_s"], wide["per_ctx_token_s"]),
+                   spec_token_wide_s=wide["per_draft_s"], unlent=(plain.unlent[0], 1.0)), overhead
+
+
+STEP_LOG = "steps-{pid}.jsonl"  # PDSERVE_STEP_LOG's file in a calibration stack's workdir, one per worker
+MIN_STEPS = 50  # served decode steps of a width before it is fitted
+
+
+@contextmanager
+def logging_steps(workdir: Path):
+    """Engine workers started inside log their steps into `workdir` (PDSERVE_STEP_LOG)."""
+    before = os.environ.get("PDSERVE_STEP_LOG")
+    os.environ["PDSERVE_STEP_LOG"] = str(Path(workdir) / STEP_LOG)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PDSERVE_STEP_LOG", None)
+        else:
+            os.environ["PDSERVE_STEP_LOG"] = before
+
+
+def decode_steps(workdir: Path, since: float, cores: int) -> dict | None:
+    """The served decode steps logged in `workdir` since `since` (time.time()), fitted per width as
+    base + per sequence + per draft row + per context token (seconds, each ≥ 0): "share" on the
+    calibration's share of the host's `cores` (half), "wide" on all of them. The context term is
+    one for both (the runs' contexts are too alike within a width to tell it from the per-sequence
+    term: alone, the wide steps' came out 3× the share's, and chat's wide steps 24% too slow). None
+    unless each width has `MIN_STEPS` (a host of one core has one width)."""
+    steps = []
+    for path in sorted(Path(workdir).glob(STEP_LOG.replace("{pid}", "*"))):
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:  # a worker stopped mid-line
+                continue
+            if r["t"] >= since and not r["prompt_seqs"] and r["decode_seqs"]:
+                steps.append(r)
+    widths = {"share": max(1, cores // 2), "wide": cores}
+    counts = {name: sum(r["threads"] == t for r in steps) for name, t in widths.items()}
+    if cores < 2 or min(counts.values()) < MIN_STEPS:
+        return None
+    rows, target = [], []
+    for r in steps:
+        if r["threads"] not in widths.values():
+            continue
+        one = [1.0, r["decode_seqs"], r["decode_rows"] - r["decode_seqs"]]
+        rows.append(one + [0.0] * 3 + [r["decode_ctx"]] if r["threads"] == widths["share"]
+                    else [0.0] * 3 + one + [r["decode_ctx"]])
+        target.append(r["s"])
+    fit = _non_negative_fit(np.array(rows), np.array(target))
+    if fit is None:
+        return None
+    return {name: {"threads": t, "steps": counts[name], "base_s": float(fit[3 * i]), "per_seq_s": float(fit[3 * i + 1]),
+                   "per_draft_s": float(fit[3 * i + 2]), "per_ctx_token_s": float(fit[6])}
+            for i, (name, t) in enumerate(widths.items())}
 
 
 def recalibrate(profile: Profile) -> Profile:
@@ -424,8 +526,9 @@ def recalibrate(profile: Profile) -> Profile:
     runs = [CalibrationRun(**{k: tuples(v) for k, v in r.items()}) for r in served]
     s, p = cal["prefill_slowdown"], profile.prefill
     unscaled = PrefillFit(p.base_s / s, p.per_token_s / s, p.per_attn_pair_s / s, p.per_seq_s / s)
-    engine = replace(profile, prefill=unscaled, meta={k: v for k, v in profile.meta.items() if k != "calibration"})
-    return calibrate(engine, runs + [LendingRun(**{k: tuples(v) for k, v in lending.items()})])
+    engine = replace(profile, prefill=unscaled, decode_wide=None, spec_token_wide_s=0.0,
+                     meta={k: v for k, v in profile.meta.items() if k != "calibration"})
+    return calibrate(engine, runs + [LendingRun(**{k: tuples(v) for k, v in lending.items()})], cal.get("decode_steps"))
 
 
 def engine_up_args(engine) -> list[str]:
@@ -443,10 +546,13 @@ def calibrate_on_new_stack(profile: Profile, up_args: list[str] | None = None) -
     add_up_args(parser)
     args = parser.parse_args(["--port", str(free_port()), "--workdir", tempfile.mkdtemp(prefix="pdserve-cal-"),
                               *(up_args or [])])
-    stack, url = start_stack(args)
+    with logging_steps(args.workdir):
+        stack, url = start_stack(args)
     try:
         wait_healthy(stack, url, timeout=180)
-        return calibrate(profile, measure_stack(url, str(resolve_model_path(args.model)), scale=host_scale(profile)))
+        runs, steps = measure_stack(url, str(resolve_model_path(args.model)), scale=host_scale(profile),
+                                    steps_dir=Path(args.workdir))
+        return calibrate(profile, runs, steps)
     finally:
         stack.stop()
 

@@ -360,8 +360,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
 # engines within 3-25%; one colocated engine under load 2-3x too slow (long-doc at 0.3 req/s, TTFT
 # p50 11.6 s simulated, 3.9 s real), so a plan may ask for an engine more than it needs
 COLOCATED_ON_CPU = ("the simulator's colocated mode is calibrated on a disaggregated stack: on a 2-core host two "
-                    "colocated engines simulated within 25% of real runs, one engine under load 2-3x too slow (a "
-                    "plan may ask for one engine more than needed): check this answer with pdserve bench")
+                    "colocated engines simulated within 25% of real runs, one engine at chat near its capacity "
+                    "within 10% on TTFT and 10-50% slow on ITL and E2E (a plan may ask for one engine more than "
+                    "needed): check this answer with pdserve bench")
 
 
 def add_caveat(result: dict[str, Any], lines: list[str], profile: Profile) -> None:

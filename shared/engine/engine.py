@@ -9,7 +9,9 @@ blocks computed elsewhere. All three are the same step loop.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +83,10 @@ class LLMEngine:
     def __init__(self, model: LlamaModel, tokenizer: Tokenizer | None, config: EngineConfig, model_id: str = "",
                  draft_model: LlamaModel | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        # a line per step, for fitting and checking the simulator's step model: PDSERVE_STEP_LOG=PATH
+        # ({pid} in it: this process's id, one file per worker)
+        log_path = os.environ.get("PDSERVE_STEP_LOG")
+        self._step_log = open(log_path.replace("{pid}", str(os.getpid())), "a", buffering=1) if log_path else None
         mcfg = model.config
         self.max_model_len = min(config.max_model_len or mcfg.max_model_len, mcfg.max_model_len)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
@@ -296,11 +302,28 @@ class LLMEngine:
             row += k + 1
         if self.spec is not None:
             self.spec.cost.observe(rows, time.perf_counter() - t0)
-        self._charge(sched.scheduled, chunks, rows, time.perf_counter() - t_start)
+        secs = time.perf_counter() - t_start
+        self._charge(sched.scheduled, chunks, rows, secs)
+        if self._step_log is not None:
+            self._log_step(sched.scheduled, chunks, secs)
         for (seq, _), out in zip(sampled, outputs):
             out.prefill_compute_s, out.decode_compute_s = seq.prefill_compute_s, seq.decode_compute_s
             out.prefill_core_s, out.decode_core_s = seq.prefill_core_s, seq.decode_core_s
         return outputs
+
+    def _log_step(self, scheduled: list, chunks: list[ScheduledChunk], secs: float) -> None:
+        """One JSON line a step (PDSERVE_STEP_LOG): what the simulator's step model is fitted to —
+        the prompt rows and sequences, the decoding sequences with their rows and context, the
+        threads and the seconds."""
+        prompt = [(len(c.token_ids), c.start_pos) for s, c in zip(scheduled, chunks)
+                  if c.start_pos < s.seq.num_prompt_tokens]
+        decode = [(len(c.token_ids), c.start_pos) for s, c in zip(scheduled, chunks)
+                  if c.start_pos >= s.seq.num_prompt_tokens]
+        self._step_log.write(json.dumps({
+            "t": round(time.time(), 4), "s": round(secs, 6), "threads": torch.get_num_threads(),
+            "prompt_seqs": len(prompt), "prompt_rows": sum(n for n, _ in prompt),
+            "prompt_ctx": sum(p for _, p in prompt), "decode_seqs": len(decode),
+            "decode_rows": sum(n for n, _ in decode), "decode_ctx": sum(p for _, p in decode)}) + "\n")
 
     def _charge(self, scheduled: list, chunks: list[ScheduledChunk], rows: int, secs: float) -> None:
         """Share a step's time among its sequences by the rows each ran: a prompt chunk's tokens are

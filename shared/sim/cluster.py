@@ -179,7 +179,8 @@ class Cluster:
         self.max_inflight = config.prefill_max_inflight or lim.prefill_max_inflight
         # the engines on one CPU host's cores, lending them while idle (shared/sim/cores.py); None: a
         # GPU each, nothing shared
-        self.host = HostCores(profile.host_cores() or 2, config.num_workers, profile.unlent) \
+        self.host = HostCores(profile.host_cores() or 2, config.num_workers, profile.unlent,
+                              wide=profile.decode_wide is not None) \
             if config.shared_cores and (profile.meta.get("device") == "cpu" or profile.unlent != (1.0, 1.0)) else None
         self.cache = PrefixCache(self._cache_capacity()) if config.prefix_caching else None
         self.kind_names = list(kinds)
@@ -396,7 +397,8 @@ class Cluster:
         if host is not None and w.num_requests:  # its threads: its share, and the idle engines' it may borrow
             idle = sum(not (e.busy or e.num_requests) for e in self.prefill_pool + self.decode_pool if e is not w)
             w.threads = host.step_threads(w.role, w.num_requests, w.prefilling(), idle)
-            factors = host.factors(w.role, w.num_requests, host.allocate(self._holding() | {w: w.threads})[w])
+            factors = host.factors(w.role, w.num_requests, host.allocate(self._holding() | {w: w.threads})[w],
+                                   w.wide_ratio())
         end = w.plan(t, factors)
         if end is not None:
             self._push(end, STEP, w, w.version)
@@ -420,7 +422,7 @@ class Cluster:
         for w in holding:
             if not w.busy:
                 continue
-            factors = host.factors(w.role, w.num_requests, cores[w])
+            factors = host.factors(w.role, w.num_requests, cores[w], w.wide_ratio())
             if w.span is not None:
                 if factors[1] != w.span.slow:
                     self._cut(w, t)

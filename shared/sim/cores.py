@@ -24,6 +24,14 @@ four engines on 2 cores (a core's share each: 3 + 1, 1 + 3) get half a core each
 sequences. The prefill worker runs at nice 10, but weighting the cores by nice (CFS: 110 against
 1,024) made 1 + 3 on this host's chat 3× too slow to prefill and its decode 3× too fast; evenly,
 within 20–40% (BENCHMARKS.md, "Engines on one host's cores").
+
+A decode step's width, where the profile has `decode_wide` (a calibration read the served engine's
+steps on its own share and on the whole host apart): the decode part is then the share's fit on up
+to C/2 cores (sliced below a core, as above), the whole host's on C, and in between their mix by
+the cores beyond C/2. More threads do not make a decode step uniformly faster: on 2 cores a step
+on both pays ~6 ms more a step and half as much a row, so a lone stream steps faster on one
+core and a batch of eight streams much faster on two (`Profile.wide_decode_ratio`; BENCHMARKS.md,
+"A decode step's width").
 """
 
 from __future__ import annotations
@@ -36,15 +44,18 @@ BORROW_FROM = {"prefill": 1, "decode": 2, "colocated": 2}  # sequences a step ne
 class HostCores:
     """The cores of one host and the engines holding sequences on them."""
 
-    def __init__(self, cores: int, engines: int, unlent: tuple[float, float]):
+    def __init__(self, cores: int, engines: int, unlent: tuple[float, float], wide: bool = False):
+        """`wide`: the profile fits a decode step's width (`decode_wide`): `factors` takes the ratio."""
         if cores < 1 or engines < 1:
             raise ValueError(f"a host needs cores and engines, got {cores} and {engines}")
-        self.cores = cores
+        self.cores, self.wide = cores, wide
         self.share = max(1, cores // engines)  # `pdserve up`'s fair share (engines())
         self.calib_share = max(1, cores // 2)  # the calibration's 1 + 1 engines
         # exponents of the parallel speed-up, (prefill part, decode part)
         self.exponent = tuple(math.log(u) / math.log(cores / self.calib_share) if cores > self.calib_share else 0.0
                               for u in unlent)
+        if wide:  # the decode part's width is the two fits': the calibration's slowdown is theirs
+            self.exponent = (self.exponent[0], 0.0)
         # engine holding sequences → threads of its step (its share between); None: not yet divided
         self.holding: dict[object, int] | None = {}
 
@@ -70,13 +81,19 @@ class HostCores:
         wanted = sum(borrowing.values())
         return {e: own[e] + (min(borrowing[e], free * borrowing[e] / wanted) if e in borrowing else 0.0) for e in own}
 
-    def factors(self, role: str, sequences: int, cores: float) -> tuple[float, float]:
+    def factors(self, role: str, sequences: int, cores: float, wide_ratio: float = 1.0) -> tuple[float, float]:
         """(prefill part, decode part) step-time factors of a step that gets `cores`: against a
         prefill step on the whole host, a decode step on the whole host (two or more sequences) or
-        on the calibration's share (one)."""
+        on the calibration's share (one). With the width fitted (`wide`), the decode part is against
+        the share's step, and `wide_ratio` is the whole host's step ÷ the share's at this batch."""
+        prefill = _speed(self.cores, self.exponent[0]) / _speed(cores, self.exponent[0])
+        if self.wide:
+            if cores <= self.calib_share:
+                return prefill, _speed(self.calib_share, self.exponent[1]) / _speed(cores, self.exponent[1])
+            beyond = min(1.0, (cores - self.calib_share) / (self.cores - self.calib_share))
+            return prefill, 1.0 + (wide_ratio - 1.0) * beyond
         decode_ref = self.cores if sequences >= 2 else self.calib_share
-        return (_speed(self.cores, self.exponent[0]) / _speed(cores, self.exponent[0]),
-                _speed(decode_ref, self.exponent[1]) / _speed(cores, self.exponent[1]))
+        return prefill, _speed(decode_ref, self.exponent[1]) / _speed(cores, self.exponent[1])
 
 
 def _speed(cores: float, exponent: float) -> float:

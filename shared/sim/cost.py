@@ -132,6 +132,13 @@ class Profile:
     # worker holds sequences (its second thread shares a core with the decode worker's, and yields
     # to it). (1, 1): pools that share nothing (a GPU each)
     unlent: tuple[float, float] = (1.0, 1.0)
+    # a CPU engine's decode step on the whole host, where the fits above are of its step on its own
+    # share of the cores (half of them; a calibration reads both off the served engine's step log):
+    # more threads halve a row's work but cost a fixed part more a step (their fork and join, ~6 ms
+    # on 2 cores), so a batch of one is slower on both cores and a batch of eight much faster
+    # (shared/sim/cores.py). Same form as `decode` and `spec_token_s`; None: one fit for any width
+    decode_wide: DecodeFit | None = None
+    spec_token_wide_s: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -145,6 +152,8 @@ class Profile:
             raise ValueError(f"profile: itl_shape must be positive factors, got {self.itl_shape}")
         if (self.drafts_per_event is not None and not self.drafts_per_event >= 0) or not self.draft_row_s >= 0:
             raise ValueError("profile: drafts_per_event and draft_row_s must be >= 0")
+        if not self.spec_token_wide_s >= 0:
+            raise ValueError("profile: spec_token_wide_s must be >= 0")
         if len(self.unlent) != 2 or not min(self.unlent) >= 1:
             raise ValueError(f"profile: unlent must be two factors >= 1, got {self.unlent}")
 
@@ -161,12 +170,17 @@ class Profile:
         d1 = d0 + (tau - t0) if drafts is None else drafts
         if d1 < 0:
             raise ValueError(f"drafts per event must be >= 0, got {d1}")
-        per_seq = (d.per_seq_s * t0 + self.spec_token_s * (d1 - d0)) / tau
-        if per_seq < 0:
-            raise ValueError(f"tokens per event {tau}: below what this profile's calibration can extrapolate to")
-        fit = DecodeFit(d.base_s * t0 / tau, per_seq, d.per_ctx_token_s * t0 / tau)
+
+        def moved(d: DecodeFit, spec: float) -> DecodeFit:
+            per_seq = (d.per_seq_s * t0 + spec * (d1 - d0)) / tau
+            if per_seq < 0:
+                raise ValueError(f"tokens per event {tau}: below what this profile's calibration can extrapolate to")
+            return DecodeFit(d.base_s * t0 / tau, per_seq, d.per_ctx_token_s * t0 / tau)
+
         known = None if drafts is None and self.drafts_per_event is None else d1
-        return replace(self, decode=fit, tokens_per_event=tau, drafts_per_event=known)
+        wide = None if self.decode_wide is None else moved(self.decode_wide, self.spec_token_wide_s)
+        return replace(self, decode=moved(d, self.spec_token_s), decode_wide=wide, tokens_per_event=tau,
+                       drafts_per_event=known)
 
     # ----------------------------------------------------------------------------- step times
 
@@ -174,9 +188,17 @@ class Profile:
         p = self.prefill
         return p.base_s + p.per_token_s * tokens + p.per_attn_pair_s * attn_pairs + p.per_seq_s * seqs
 
-    def decode_time(self, batch: int, ctx_tokens: int) -> float:
-        d = self.decode
+    def decode_time(self, batch: int, ctx_tokens: int, wide: bool = False) -> float:
+        """A decode step of `batch` sequences holding `ctx_tokens` between them, per token (÷ τ);
+        `wide`: on the whole host (`decode_wide`, where the profile has it)."""
+        d = self.decode_wide if wide and self.decode_wide is not None else self.decode
         return d.base_s + d.per_seq_s * batch + d.per_ctx_token_s * ctx_tokens
+
+    def wide_decode_ratio(self, batch: int, ctx_tokens: int) -> float:
+        """A decode step on the whole host ÷ one on the engine's share (1 without `decode_wide`)."""
+        if self.decode_wide is None or batch < 1:
+            return 1.0
+        return self.decode_time(batch, ctx_tokens, wide=True) / self.decode_time(batch, ctx_tokens)
 
     def riding_decode_time(self, batch: int, ctx_tokens: int, drafts: float = 0.0) -> float:
         """What `batch` decoding sequences add to a step that computes a prompt's chunk: their rows
@@ -216,6 +238,8 @@ class Profile:
                 "itl_shape": list(self.itl_shape), "spec_token_s": self.spec_token_s, "unlent": list(self.unlent),
                 "drafts_per_event": self.drafts_per_event, "draft_row_s": self.draft_row_s,
                 "prefill": {"fit": asdict(self.prefill)}, "decode": {"fit": asdict(self.decode)},
+                **({} if self.decode_wide is None else {"decode_wide": {"fit": asdict(self.decode_wide)},
+                                                          "spec_token_wide_s": self.spec_token_wide_s}),
                 "kv_transfer": {path: {"write": asdict(t.write), "read": asdict(t.read)}
                                 for path, t in self.transfer.items()}}
 
@@ -237,7 +261,9 @@ class Profile:
                        drafts_per_event=None if data.get("drafts_per_event") is None
                        else float(data["drafts_per_event"]),
                        draft_row_s=float(data.get("draft_row_s", 0.0)),
-                       unlent=tuple(float(f) for f in data.get("unlent", (1.0, 1.0))), meta=data.get("meta", {}))
+                       unlent=tuple(float(f) for f in data.get("unlent", (1.0, 1.0))),
+                       decode_wide=DecodeFit(**data["decode_wide"]["fit"]) if data.get("decode_wide") else None,
+                       spec_token_wide_s=float(data.get("spec_token_wide_s", 0.0)), meta=data.get("meta", {}))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"profile: malformed ({exc})") from None
 

@@ -96,6 +96,14 @@ class SimEngine:
     def free_blocks(self) -> int:
         return self.total_blocks - self.used_blocks
 
+    def wide_ratio(self) -> float:
+        """Its decode step on the whole host ÷ on its share, at the sequences it holds now
+        (`Profile.wide_decode_ratio`; 1 where the profile does not fit a step's width)."""
+        if self.profile.decode_wide is None:
+            return 1.0
+        seqs = [*self.running, *self.waiting]
+        return self.profile.wide_decode_ratio(len(seqs), sum(s.num_tokens for s in seqs))
+
     def prefilling(self) -> bool:
         """A sequence here has a prompt (or a preempted one's tokens) to compute."""
         return any(s.num_tokens - s.computed > 1 for s in itertools.chain(self.running, self.waiting))

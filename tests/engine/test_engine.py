@@ -251,3 +251,24 @@ def test_prompt_logprobs_are_the_teacher_forced_distribution_chunked_and_batched
     assert again.num_cached_tokens == 0
     assert [x.logprob for x in again.prompt_logprobs] == pytest.approx([x.logprob for x in got], abs=1e-4)
     assert_all_blocks_released(engine)
+
+
+def test_each_step_is_logged_where_asked(tmp_path, monkeypatch):
+    """PDSERVE_STEP_LOG: a JSON line a step with its prompt and decode rows, its sequences' context
+    and its threads and seconds (what the calibration fits a decode step's cost by width from)."""
+    import json
+    import os
+
+    monkeypatch.setenv("PDSERVE_STEP_LOG", str(tmp_path / "steps-{pid}.jsonl"))
+    engine = make_engine(max_num_batched_tokens=32, speculative=SpecConfig(mode="off"))
+    for i, p in enumerate(prompts([20, 40])):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=3))
+    run_checked(engine)
+    steps = [json.loads(line) for line in (tmp_path / f"steps-{os.getpid()}.jsonl").read_text().splitlines()]
+    assert len(steps) == engine.stats.steps
+    assert sum(s["prompt_rows"] for s in steps) == 60  # both prompts, in chunks of at most 32 tokens
+    assert max(s["prompt_rows"] + s["decode_rows"] for s in steps) <= 32
+    assert sum(s["decode_rows"] for s in steps) == 2 * 2  # each answer's two tokens after its first
+    last = steps[-1]
+    assert last["prompt_seqs"] == 0 and last["decode_ctx"] >= 40 and last["threads"] == torch.get_num_threads()
+    assert all(s["s"] > 0 for s in steps)

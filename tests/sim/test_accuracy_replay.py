@@ -6,8 +6,9 @@ against real measurements in a second, where the live comparison (tests/sim/test
 takes minutes and moves with the shared cores' noise.
 
 Two hosts' runs: five on an AVX2-only AMD EPYC Zen 1 (its cases stretched, `calibrate.host_scale`),
-twenty-three on Intel Xeons with AMX (twelve of them served after the KV handoff was shortened,
-the last six with the long-doc cases answering 32-128 tokens). The bounds are each host's agreement
+twenty-six on Intel Xeons with AMX (fifteen of them served after the KV handoff was shortened, the
+last eight with the long-doc cases answering 32-128 tokens, the last one calibrated with the decode
+steps' costs by width, read off the engine's step log). The bounds are each host's agreement
 today, with a margin (BENCHMARKS.md, 2026-12-06): every metric's mean error over its runs within
 ±12% (today -8.1% to +6.8%), and the mean absolute error at most 14% on the AVX2 host (12.0%) and
 11% on the AMX one (8.5%). A better simulator passes them; one
@@ -64,8 +65,8 @@ def test_a_model_without_its_lending_fails_the_replay(monkeypatch, host):
     from services.planner import calibrate
 
     calibrated = calibrate.calibrate
-    monkeypatch.setattr(calibrate, "calibrate", lambda profile, runs: replace(calibrated(profile, runs),
-                                                                              unlent=(1.0, 1.0)))
+    monkeypatch.setattr(calibrate, "calibrate", lambda profile, runs, steps=None: replace(
+        calibrated(profile, runs, steps), unlent=(1.0, 1.0)))
     runs, bounds = HOSTS[host]
     failures = _failures([replay(run) for run in runs], bounds)
     assert any(f.startswith("ttft_p50") for f in failures) and any(f.startswith("ttft_p90") for f in failures)

@@ -589,3 +589,32 @@ def test_the_shares_of_a_hosts_cores_follow_the_workers_present():
     assert len(drained.retired) == 2 and drained.host.share == static.host.share == 2
     assert drained.rec.first_s[1] == pytest.approx(static.rec.first_s[1])
     assert run(ClusterConfig(prefill=1, decode=3)).host.share == 1
+
+
+def test_a_decode_step_costs_what_its_width_does():
+    """`Profile.decode_wide` (a calibration's fit of the engine's steps on the whole host): a lone
+    stream steps on its share — a decode worker's batch of one never borrows — and on the whole host
+    in one colocated engine (its share is the host), slower there (the fixed part of a step grows
+    with its threads); two streams borrow the idle prefill worker's core and step at the whole
+    host's cost, and at the share's while a long prompt prefills beside them."""
+    share, wide = DecodeFit(0.010, 5e-3, 0.0), DecodeFit(0.016, 0.5e-3, 0.0)
+    cpu = replace(PROFILE, decode=share, decode_wide=wide, unlent=(2.0, 1.0),
+                  meta={"device": "cpu", "machine": "x86_64 2 cores"})
+    stream = SimRequest(0.0, 16, 201)
+
+    def decode_s(reqs, **cfg):
+        cluster = Cluster(cpu, ClusterConfig(**cfg))
+        cluster.run([replace(r) for r in reqs], check_every=1)
+        cluster.check_invariants(final=True)
+        return [f - s for f, s in zip(cluster.rec.finish_s, cluster.rec.first_s)]
+
+    assert decode_s([stream])[0] == pytest.approx(200 * 0.015, abs=0.005)  # 1 + 1: on its own core (+ the KV read)
+    assert decode_s([stream], mode="colocated")[0] == pytest.approx(200 * 0.0165)  # the whole host
+    two = decode_s([stream, stream])
+    assert two == pytest.approx([200 * 0.017] * 2, rel=0.02)  # both cores: 16 + 2 × 0.5 ms, not 10 + 2 × 5
+    beside = decode_s([stream, stream, SimRequest(0.5, 2000, 2)])  # from 0.5 s on a core: 20 ms steps
+    assert 1.1 * two[0] < beside[0] < 1.01 * 200 * 0.020
+    assert replace(cpu, decode_wide=None).wide_decode_ratio(8, 100) == 1.0
+    assert Profile.from_json(cpu.to_json()).decode_wide == wide
+    moved = cpu.with_tokens_per_event(2.0, 1.0)
+    assert moved.decode_time(1, 0, wide=True) == pytest.approx(0.0165 / 2)  # τ 2 (no cost given for drafts)
