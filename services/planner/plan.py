@@ -338,6 +338,11 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="the SLOs' other form: at least PCT%% of requests within the TTFT SLO, within the TPOT one "
                         "(--slo-tpot-ms, else the ITL one) and within both (default: the p90s)")
     p.add_argument("--json", default=None, help="write the plan here ('-': stdout)")
+    p.add_argument("--kustomize", default=None, metavar="DIR",
+                   help="also write a kustomize overlay deploying the recommended configuration on Kubernetes "
+                        "(kubectl apply -k DIR): pools, chunk budget, mode and `pdserve planner`'s flags")
+    p.add_argument("--kustomize-base", default=None, metavar="OVERLAY",
+                   help="the overlay it is written over (default: deploy/k8s/overlays/production)")
     g = p.add_argument_group("a plan through a load forecast (services/planner/schedule.py)")
     g.add_argument("--forecast", default=None, metavar="CSV",
                    help="`time,rate` rows (seconds or HH:MM, req/s from then on): plan the busiest period, then "
@@ -398,6 +403,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.forecast:
         from services.planner.schedule import cmd_plan_forecast
 
+        if args.kustomize:
+            raise ValueError("--kustomize writes a plan for one rate; a forecast's schedule goes to `pdserve planner "
+                             "--schedule plan.json` (deploy/k8s/README.md)")
+
         return cmd_plan_forecast(args, profile, spec, prefill_profiles, decode_profiles)
     reqs = request_list(args)
     result = Planner(profile, spec, lambda: [replace(r) for r in reqs], args.slo_tpot_ms, prefill_profiles,
@@ -432,6 +441,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if rec is not None:
         saved = f"   (or: pdserve up --plan {args.json})" if args.json and args.json != "-" else ""
         lines.append(f"run it: {up_command(rec)}{saved}")
+        if args.kustomize:
+            from services.planner import kustomize
+
+            try:
+                kustomize.write(result, Path(args.kustomize), Path(args.kustomize_base or kustomize.DEFAULT_BASE))
+                lines.append(f"on Kubernetes: kubectl apply -k {args.kustomize}")
+            except ValueError as exc:
+                lines.append(f"on Kubernetes: not written ({exc})")
     emit(result, lines, args.json)
     return 0 if rec is not None else 1
 

@@ -424,3 +424,46 @@ def test_compose_and_k8s_are_wired_alike(k8s, compose):
     for component in SERVICES:
         for where, env in (("compose", services[component]["environment"]), ("k8s", k8s.env(k8s.container(component)))):
             assert {"PDSERVE_NATS_TOKEN", "PDSERVE_REDIS_PASSWORD"} <= env.keys(), f"{where}: {component}"
+
+
+def test_a_plan_is_written_as_an_overlay_that_deploys_it(tmp_path):
+    """`pdserve plan --kustomize DIR`: an overlay over production that renders, with the pools at the
+    plan's counts, its chunk budget and jobs a prefill worker in the workers' environment, and
+    `pdserve planner` given the plan's SLOs, budget and what a worker carries (the forecast policy),
+    flags its own parser and limits take. A colocated plan is refused, with the reason."""
+    import sys
+
+    from services.cli import build_parser
+    from services.planner.autoscale import limits_config
+
+    if KUBECTL is None:
+        pytest.skip("kubectl is not installed: it renders the kustomize overlays")
+    out = tmp_path / "plan-overlay"
+    plan = subprocess.run([sys.executable, "-m", "services.cli", "plan", "--workload", "chat", "--request-rate", "1",
+                           "--duration", "30", "--budget", "4", "--modes", "disaggregated", "--chunk-budgets", "256",
+                           "--prefill-inflights", "2", "--slo-ttft-p90-ms", "1500", "--slo-itl-p90-ms", "150",
+                           "--kustomize", str(out), "--json", str(tmp_path / "plan.json")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert plan.returncode == 0, plan.stderr
+    assert f"kubectl apply -k {out}" in plan.stdout
+    rec = json.loads((tmp_path / "plan.json").read_text())["recommended"]
+    rendered = subprocess.run([KUBECTL, "kustomize", str(out)], capture_output=True, text=True, timeout=60)
+    assert rendered.returncode == 0, rendered.stderr
+    m = Manifests("plan", [o for o in yaml.safe_load_all(rendered.stdout) if o])
+    env = {kind: {e["name"]: e.get("value") for e in m.container(kind).get("env", [])} for kind in WORKERS}
+    for kind in WORKERS:
+        assert m.workload(kind)["spec"]["replicas"] == rec[kind]
+        assert env[kind]["PDSERVE_MAX_NUM_BATCHED_TOKENS"] == "256"
+    assert env["prefill"]["PDSERVE_MAX_INFLIGHT"] == "2"
+    assert {e["name"]: e.get("value") for e in m.container("gateway")["env"]}["PDSERVE_MODE"] == "disaggregated"
+    args = build_parser().parse_args(["planner", *m.container("planner", "planner")["args"]])
+    config = limits_config(args)
+    assert args.policy == "forecast" and args.capacity and config.budget == 4
+    assert (config.slo_ttft_p90_s, config.slo_itl_p90_s) == (1.5, 0.15)
+    assert config.bounds("prefill")[0] <= rec["prefill"] <= config.bounds("prefill")[1]
+
+    from services.planner.kustomize import overlay
+
+    colocated = {"recommended": dict(rec, mode="colocated"), "slo": {}, "budget": 4}
+    with pytest.raises(ValueError, match="colocated plan is not written"):
+        overlay(colocated)
