@@ -28,10 +28,10 @@ within 20–40% (BENCHMARKS.md, "Engines on one host's cores").
 A decode step's width, where the profile has `decode_wide` (a calibration read the served engine's
 steps on its own share and on the whole host apart): the decode part is then the share's fit on up
 to C/2 cores (sliced below a core, as above), the whole host's on C, and in between their mix by
-the cores beyond C/2. More threads do not make a decode step uniformly faster: on 2 cores a step
-on both pays ~6 ms more a step and half as much a row, so a lone stream steps faster on one
-core and a batch of eight streams much faster on two (`Profile.wide_decode_ratio`; BENCHMARKS.md,
-"A decode step's width").
+the cores beyond C/2. Served, more threads do not make a decode step uniformly faster: on 2
+cores a step on both pays ~5 ms more a step and half as much a row, so a lone stream steps about
+as fast on one core and a batch of eight streams much faster on two (`Profile.wide_decode_ratio`;
+BENCHMARKS.md, "A decode step's width").
 """
 
 from __future__ import annotations

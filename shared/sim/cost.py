@@ -134,9 +134,10 @@ class Profile:
     unlent: tuple[float, float] = (1.0, 1.0)
     # a CPU engine's decode step on the whole host, where the fits above are of its step on its own
     # share of the cores (half of them; a calibration reads both off the served engine's step log):
-    # more threads halve a row's work but cost a fixed part more a step (their fork and join, ~6 ms
-    # on 2 cores), so a batch of one is slower on both cores and a batch of eight much faster
-    # (shared/sim/cores.py). Same form as `decode` and `spec_token_s`; None: one fit for any width
+    # served, more threads halve a row's work but cost a fixed part more a step (on 2 cores the
+    # serving processes beside the team stall its barriers, ~5 ms), so a batch of one costs about
+    # the same on both cores and a batch of eight much less (shared/sim/cores.py). Same form as
+    # `decode` and `spec_token_s`; None: one fit for any width
     decode_wide: DecodeFit | None = None
     spec_token_wide_s: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
