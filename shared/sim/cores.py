@@ -49,21 +49,20 @@ class HostCores:
         if cores < 1 or engines < 1:
             raise ValueError(f"a host needs cores and engines, got {cores} and {engines}")
         self.cores, self.wide = cores, wide
-        self.share = max(1, cores // engines)  # `pdserve up`'s fair share (engines())
+        self.engines(engines)  # each one's share
         self.calib_share = max(1, cores // 2)  # the calibration's 1 + 1 engines
         # exponents of the parallel speed-up, (prefill part, decode part)
         self.exponent = tuple(math.log(u) / math.log(cores / self.calib_share) if cores > self.calib_share else 0.0
                               for u in unlent)
         if wide:  # the decode part's width is the two fits': the calibration's slowdown is theirs
             self.exponent = (self.exponent[0], 0.0)
-        # engine holding sequences → threads of its step (its share between); None: not yet divided
-        self.holding: dict[object, int] | None = {}
 
     def engines(self, n: int) -> None:
         """`n` engines on the host now: each one's share is the cores divided among them (`pdserve
         up`'s fair share, which follows the autoscaler's workers as they come and go)."""
         self.share = max(1, self.cores // max(1, n))
-        self.holding = None  # divide the cores anew at the next event
+        # engine holding sequences → threads of its step (its share between); None: to divide anew
+        self.holding: dict[object, int] | None = None
 
     def step_threads(self, role: str, sequences: int, prefilling: bool, idle: int) -> int:
         """Threads an engine takes for a step: its share, plus the idle engines' when it may borrow
