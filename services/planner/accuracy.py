@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import math
+import shutil
 import statistics
 import tempfile
 import time
@@ -31,7 +32,9 @@ log = logging.getLogger("pdserve.accuracy")
 METRICS = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("itl_ms", "p50"), ("itl_ms", "p90"), ("request_throughput", None),
            ("tpot_ms", "p50"))
 ASSERTED = {"ttft_p50", "ttft_p90", "itl_p50", "itl_p90", "request_throughput"}
-INPUTS = {"case", "tokens_per_event", "drafts_per_event"}  # a row's keys that are not compared metrics
+# a row's keys that are not compared metrics; "decode_step": the calibration's step fits against the
+# case's own logged decode steps, by width (`calibrate.step_fit_error`), where the run logged them
+INPUTS = {"case", "tokens_per_event", "drafts_per_event", "decode_step"}
 
 
 @dataclass(frozen=True)
@@ -130,9 +133,12 @@ def _value(summary: dict[str, Any], metric: str, q: str | None) -> float:
     return summary[metric] if q is None else summary[metric][q]
 
 
-def compare(cases=CASES, seed: int = 4242, quick_profile: bool = True) -> dict[str, Any]:
-    """Profile, calibrate and run every case for real and in simulation; relative errors per metric."""
-    from services.planner.calibrate import calibrate, engine_up_args, host_scale, logging_steps, measure_stack
+def compare(cases=CASES, seed: int = 4242, quick_profile: bool = True, workdir: Path | None = None) -> dict[str, Any]:
+    """Profile, calibrate and run every case for real and in simulation; relative errors per metric.
+    The stack's logs and its engines' step logs go to `workdir` where given (kept), else to a
+    temporary directory (removed)."""
+    from services.planner.calibrate import (calibrate, engine_up_args, host_scale, logged_decode_steps, logging_steps,
+                                            measure_stack, step_fit_error)
     from services.planner.profile import ProfileConfig, run_profile
     from services.up import add_up_args, start_stack, wait_healthy
     from shared.model.hub import resolve_model_path
@@ -153,7 +159,9 @@ def compare(cases=CASES, seed: int = 4242, quick_profile: bool = True) -> dict[s
     gguf = str(resolve_model_path(None))
     parser = argparse.ArgumentParser()
     add_up_args(parser)
-    workdir = Path(tempfile.mkdtemp(prefix="pdserve-acc-"))
+    keep = workdir is not None
+    workdir = Path(workdir) if keep else Path(tempfile.mkdtemp(prefix="pdserve-acc-"))
+    workdir.mkdir(parents=True, exist_ok=True)
     args = parser.parse_args(["--port", str(free_port()), "--workdir", str(workdir), *engine_up_args(engine)])
     with logging_steps(workdir):  # the calibration reads the decode steps' costs off the engines' own log
         stack, url = start_stack(args)
@@ -161,16 +169,24 @@ def compare(cases=CASES, seed: int = 4242, quick_profile: bool = True) -> dict[s
     try:
         wait_healthy(stack, url, timeout=180)
         profile = calibrate(engine_profile, *measure_stack(url, gguf, scale=scale, steps_dir=workdir))
+        fits = profile.meta["calibration"].get("decode_steps")
         for i, case in enumerate(c.scaled(scale) for c in cases):
+            since = time.time()
             real, tau, drafts = _real(url, gguf, case, seed + i)
             sim = _simulated(profile.with_tokens_per_event(tau, drafts), case, seed + i)
             row = _row(case.name, {_key(m, q): _value(real, m, q) for m, q in METRICS}, sim, tau, drafts)
+            if fits:
+                row["decode_step"] = step_fit_error(fits, logged_decode_steps(workdir, since, time.time()))
             rows.append(row)
-            log.info("%s (%.2f tokens, %s drafts per event): %s", case.name, tau,
+            log.info("%s (%.2f tokens, %s drafts per event): %s; its decode steps: %s", case.name, tau,
                      "?" if drafts is None else f"{drafts:.2f}",
-                     {k: f"{v['error']:+.0%}" for k, v in row.items() if k not in INPUTS})
+                     {k: f"{v['error']:+.0%}" for k, v in row.items() if k not in INPUTS},
+                     {w: f"{e['real_ms']:.1f} ms, fit {e['error']:+.0%} ({e['steps']})"
+                      for w, e in (row.get("decode_step") or {}).items()})
     finally:
         stack.stop()
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
     # the calibrated profile: what was simulated (its meta["calibration"]: the runs it was read from)
     # and the engine's own (one thread, unserved): what a model of a step that cannot borrow would start from
     return {"rows": rows, "host_scale": scale, "seed": seed, "cases": [_case_json(c) for c in cases],
@@ -256,10 +272,18 @@ def format_agreement(*results: dict[str, Any]) -> str:
 
 
 def format_table(result: dict[str, Any]) -> str:
+    """The cells, sim / real (error); and where the run logged its steps, the calibration's step
+    fits against each case's logged decode steps (fit / logged mean, by width)."""
     keys = [k for k in result["rows"][0] if k not in INPUTS]
-    lines = ["| case | tokens/event | drafts/event | " + " | ".join(keys) + " |", "|---" * (len(keys) + 3) + "|"]
+    steps = any(row.get("decode_step") for row in result["rows"])
+    lines = ["| case | tokens/event | drafts/event | " + " | ".join(keys) + (" | decode step: fit / logged" if steps
+                                                                           else "") + " |",
+             "|---" * (len(keys) + 3 + steps) + "|"]
     for row in result["rows"]:
         cells = [f"{row[k]['sim']:.4g} / {row[k]['real']:.4g} ({row[k]['error']:+.0%})" for k in keys]
+        if steps:
+            cells.append(", ".join(f"{w} {e['fit_ms']:.1f} / {e['real_ms']:.1f} ms ({e['error']:+.0%})"
+                                   for w, e in (row.get("decode_step") or {}).items()) or "-")
         drafts = row.get("drafts_per_event")
         lines.append(f"| {row['case']} | {row.get('tokens_per_event', 1.0):.2f} | "
                      f"{'?' if drafts is None else f'{drafts:.2f}'} | " + " | ".join(cells) + " |")
@@ -270,9 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.planner.accuracy")
     p.add_argument("--out", default=None)
     p.add_argument("--full-profile", action="store_true", help="the full profile grid (slower) instead of --quick")
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="keep the stack's logs and the engines' step logs (PDSERVE_STEP_LOG) here")
     args = p.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    result = compare(quick_profile=not args.full_profile)
+    result = compare(quick_profile=not args.full_profile, workdir=args.workdir)
     print("cells: sim / real (error)\n" + format_table(result))
     print(format_agreement(result))
     if args.out:

@@ -116,8 +116,9 @@ class LendingRun:
 # wider batch with a chat's answers, so the decode fit is read off a chat's batch (served: 6 here),
 # not extrapolated from batches of 1-3 (BENCHMARKS.md, "Engines on one host's cores": on the AMX
 # host the plain step's base went from 8.8 to 13.0 ms, its context term from 5.9 to 3.6 us a token,
-# its per-sequence term stayed 1.6 ms). Concurrency beyond 1 is for `high_batch` 4, scaled with it
-RUNS = ((1, 128, 40), (1, 768, 12), (4, 128, 40), (8, 128, 96))
+# its per-sequence term stayed 1.6 ms). Concurrency beyond 1 is for `high_batch` 4, scaled with it.
+# The long prompt's answers (12 tokens until 2026-12-07) give the logged steps' fit a context's reach
+RUNS = ((1, 128, 40), (1, 768, 40), (4, 128, 40), (8, 128, 96))
 # the streams' prompts short (the calibration's short ones), so that the long ones seldom queue behind them
 LEND_STREAMS, LEND_PROMPT, LEND_STREAM_PROMPT, LEND_INTERVAL_S, LEND_DURATION_S = 2, 768, 128, 3.0, 12.0
 SHAPE_POINTS = tuple((i + 0.5) / 20 for i in range(20))
@@ -445,16 +446,19 @@ def _stepped(plain: Profile, short: CalibrationRun, steps: dict) -> tuple[Profil
     of the host (`decode`, `spec_token_s`) and on the whole host (`decode_wide`, `spec_token_wide_s`),
     each plus what an event adds to a step: the batch-1 run's event gap less its logged step. The
     decode slowdown the lending run saw is then the width's (a step of 2 streams on one core while
-    the other prefills), not a factor more (unlent's decode part 1)."""
+    the other prefills), not a factor more (unlent's decode part 1). A context term per row (fitted
+    since 2026-12-07) is the plain step's, and each draft's (`spec_ctx_token_s`)."""
     share, wide = steps["share"], steps["wide"]
-    ctx = short.prompt_tokens + short.output_tokens // 2
-    step = (share["base_s"] + share["per_seq_s"] + share["per_draft_s"] * short.extra_rows
-            + share["per_ctx_token_s"] * ctx)
+    ctx, per_ctx = short.prompt_tokens + short.output_tokens // 2, share["per_ctx_token_s"]
+    spec_ctx = per_ctx if share.get("ctx_per") == "row" else 0.0
+    step = (share["base_s"] + share["per_seq_s"] + (share["per_draft_s"] + spec_ctx * ctx) * short.extra_rows
+            + per_ctx * ctx)
     overhead = max(0.0, short.event_gap_s - step)
-    return replace(plain, decode=DecodeFit(share["base_s"] + overhead, share["per_seq_s"], share["per_ctx_token_s"]),
+    return replace(plain, decode=DecodeFit(share["base_s"] + overhead, share["per_seq_s"], per_ctx),
                    spec_token_s=share["per_draft_s"],
-                   decode_wide=DecodeFit(wide["base_s"] + overhead, wide["per_seq_s"], wide["per_ctx_token_s"]),
-                   spec_token_wide_s=wide["per_draft_s"], unlent=(plain.unlent[0], 1.0)), overhead
+                   decode_wide=DecodeFit(wide["base_s"] + overhead, wide["per_seq_s"], per_ctx),
+                   spec_token_wide_s=wide["per_draft_s"], spec_ctx_token_s=spec_ctx,
+                   unlent=(plain.unlent[0], 1.0)), overhead
 
 
 STEP_LOG = "steps-{pid}.jsonl"  # PDSERVE_STEP_LOG's file in a calibration stack's workdir, one per worker
@@ -475,13 +479,9 @@ def logging_steps(workdir: Path):
             os.environ["PDSERVE_STEP_LOG"] = before
 
 
-def decode_steps(workdir: Path, since: float, cores: int) -> dict | None:
-    """The served decode steps logged in `workdir` since `since` (time.time()), fitted per width as
-    base + per sequence + per draft row + per context token (seconds, each ≥ 0): "share" on the
-    calibration's share of the host's `cores` (half), "wide" on all of them. The context term is
-    one for both (the runs' contexts are too alike within a width to tell it from the per-sequence
-    term: alone, the wide steps' came out 3× the share's, and chat's wide steps 24% too slow). None
-    unless each width has `MIN_STEPS` (a host of one core has one width)."""
+def logged_decode_steps(workdir: Path, since: float, until: float = math.inf) -> list[dict]:
+    """The decode steps (no prompt's chunk in them) the engines logged in `workdir` from `since` to
+    `until` (time.time())."""
     steps = []
     for path in sorted(Path(workdir).glob(STEP_LOG.replace("{pid}", "*"))):
         for line in path.read_text().splitlines():
@@ -489,8 +489,28 @@ def decode_steps(workdir: Path, since: float, cores: int) -> dict | None:
                 r = json.loads(line)
             except ValueError:  # a worker stopped mid-line
                 continue
-            if r["t"] >= since and not r["prompt_seqs"] and r["decode_seqs"]:
+            if since <= r["t"] < until and not r["prompt_seqs"] and r["decode_seqs"]:
                 steps.append(r)
+    return steps
+
+
+def _step_terms(r: dict) -> list[float]:
+    """A logged decode step's terms: 1, sequences, draft rows, rows × context (logged before
+    2026-12-07 without the last: each sequence's rows taken as the step's mean)."""
+    row_ctx = r.get("decode_row_ctx", r["decode_ctx"] * r["decode_rows"] / r["decode_seqs"])
+    return [1.0, r["decode_seqs"], r["decode_rows"] - r["decode_seqs"], row_ctx]
+
+
+def decode_steps(workdir: Path, since: float, cores: int) -> dict | None:
+    """The served decode steps logged in `workdir` since `since` (time.time()), fitted per width as
+    base + per sequence + per draft row + per row and context token (seconds, each ≥ 0): "share" on
+    the calibration's share of the host's `cores` (half), "wide" on all of them. The context term is
+    per row, a draft's too: each row attends over its sequence's context, so a draft costs more in a
+    long document than in a chat (per sequence only, a fit of chat's steps read long-doc's 8–20%
+    short). It is one for both widths (the runs' contexts are too alike within a width to tell it
+    from the per-sequence term: alone, the wide steps' came out 3× the share's, and chat's wide steps
+    24% too slow). None unless each width has `MIN_STEPS` (a host of one core has one width)."""
+    steps = logged_decode_steps(workdir, since)
     widths = {"share": max(1, cores // 2), "wide": cores}
     counts = {name: sum(r["threads"] == t for r in steps) for name, t in widths.items()}
     if cores < 2 or min(counts.values()) < MIN_STEPS:
@@ -499,16 +519,35 @@ def decode_steps(workdir: Path, since: float, cores: int) -> dict | None:
     for r in steps:
         if r["threads"] not in widths.values():
             continue
-        one = [1.0, r["decode_seqs"], r["decode_rows"] - r["decode_seqs"]]
-        rows.append(one + [0.0] * 3 + [r["decode_ctx"]] if r["threads"] == widths["share"]
-                    else [0.0] * 3 + one + [r["decode_ctx"]])
+        *one, row_ctx = _step_terms(r)
+        rows.append(one + [0.0] * 3 + [row_ctx] if r["threads"] == widths["share"] else [0.0] * 3 + one + [row_ctx])
         target.append(r["s"])
     fit = _non_negative_fit(np.array(rows), np.array(target))
     if fit is None:
         return None
     return {name: {"threads": t, "steps": counts[name], "base_s": float(fit[3 * i]), "per_seq_s": float(fit[3 * i + 1]),
-                   "per_draft_s": float(fit[3 * i + 2]), "per_ctx_token_s": float(fit[6])}
+                   "per_draft_s": float(fit[3 * i + 2]), "per_ctx_token_s": float(fit[6]), "ctx_per": "row"}
             for i, (name, t) in enumerate(widths.items())}
+
+
+def step_fit_error(steps: dict, logged: list[dict]) -> dict | None:
+    """How the calibration's fits (`decode_steps`) read other logged decode steps, by width: the
+    steps, their mean seconds and the fits' mean for them, and the relative error. What it says
+    apart from a simulation's latencies: whether a miss lies in the step model or outside the
+    engine (the event's path to the client, the cores' other processes). None where no logged step
+    is on a fitted width."""
+    out = {}
+    for name, fit in steps.items():
+        mine = [r for r in logged if r["threads"] == fit["threads"]]
+        if not mine:
+            continue
+        per_row = fit.get("ctx_per") == "row"
+        coef = (fit["base_s"], fit["per_seq_s"], fit["per_draft_s"], fit["per_ctx_token_s"])
+        real = sum(r["s"] for r in mine) / len(mine)
+        fitted = sum(float(np.dot(coef, _step_terms(r) if per_row else _step_terms(r)[:3] + [r["decode_ctx"]]))
+                     for r in mine) / len(mine)
+        out[name] = {"steps": len(mine), "real_ms": 1e3 * real, "fit_ms": 1e3 * fitted, "error": (fitted - real) / real}
+    return out or None
 
 
 def recalibrate(profile: Profile) -> Profile:
@@ -526,7 +565,7 @@ def recalibrate(profile: Profile) -> Profile:
     runs = [CalibrationRun(**{k: tuples(v) for k, v in r.items()}) for r in served]
     s, p = cal["prefill_slowdown"], profile.prefill
     unscaled = PrefillFit(p.base_s / s, p.per_token_s / s, p.per_attn_pair_s / s, p.per_seq_s / s)
-    engine = replace(profile, prefill=unscaled, decode_wide=None, spec_token_wide_s=0.0,
+    engine = replace(profile, prefill=unscaled, decode_wide=None, spec_token_wide_s=0.0, spec_ctx_token_s=0.0,
                      meta={k: v for k, v in profile.meta.items() if k != "calibration"})
     return calibrate(engine, runs + [LendingRun(**{k: tuples(v) for k, v in lending.items()})], cal.get("decode_steps"))
 

@@ -313,8 +313,9 @@ class LLMEngine:
 
     def _log_step(self, scheduled: list, chunks: list[ScheduledChunk], secs: float) -> None:
         """One JSON line a step (PDSERVE_STEP_LOG): what the simulator's step model is fitted to —
-        the prompt rows and sequences, the decoding sequences with their rows and context, the
-        threads and the seconds."""
+        the prompt rows and sequences, the decoding sequences with their rows and context (and the
+        rows × context: each row, a draft too, attends over its sequence's), the threads and the
+        seconds."""
         prompt = [(len(c.token_ids), c.start_pos) for s, c in zip(scheduled, chunks)
                   if c.start_pos < s.seq.num_prompt_tokens]
         decode = [(len(c.token_ids), c.start_pos) for s, c in zip(scheduled, chunks)
@@ -323,7 +324,8 @@ class LLMEngine:
             "t": round(time.time(), 4), "s": round(secs, 6), "threads": torch.get_num_threads(),
             "prompt_seqs": len(prompt), "prompt_rows": sum(n for n, _ in prompt),
             "prompt_ctx": sum(p for _, p in prompt), "decode_seqs": len(decode),
-            "decode_rows": sum(n for n, _ in decode), "decode_ctx": sum(p for _, p in decode)}) + "\n")
+            "decode_rows": sum(n for n, _ in decode), "decode_ctx": sum(p for _, p in decode),
+            "decode_row_ctx": sum(n * p for n, p in decode)}) + "\n")
 
     def _charge(self, scheduled: list, chunks: list[ScheduledChunk], rows: int, secs: float) -> None:
         """Share a step's time among its sequences by the rows each ran: a prompt chunk's tokens are

@@ -140,6 +140,11 @@ class Profile:
     # `decode` and `spec_token_s`; None: one fit for any width
     decode_wide: DecodeFit | None = None
     spec_token_wide_s: float = 0.0
+    # what one more draft adds to a step per token of its sequence's context (both widths): a draft
+    # row attends over the context as the sequence's own row does, so a long document's drafts cost
+    # more than a chat's. Read off a calibration's logged steps (one context term per row); 0: the
+    # context term is per sequence, whatever its drafts
+    spec_ctx_token_s: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -153,8 +158,8 @@ class Profile:
             raise ValueError(f"profile: itl_shape must be positive factors, got {self.itl_shape}")
         if (self.drafts_per_event is not None and not self.drafts_per_event >= 0) or not self.draft_row_s >= 0:
             raise ValueError("profile: drafts_per_event and draft_row_s must be >= 0")
-        if not self.spec_token_wide_s >= 0:
-            raise ValueError("profile: spec_token_wide_s must be >= 0")
+        if not self.spec_token_wide_s >= 0 or not self.spec_ctx_token_s >= 0:
+            raise ValueError("profile: spec_token_wide_s and spec_ctx_token_s must be >= 0")
         if len(self.unlent) != 2 or not min(self.unlent) >= 1:
             raise ValueError(f"profile: unlent must be two factors >= 1, got {self.unlent}")
 
@@ -162,8 +167,8 @@ class Profile:
         """This profile for a workload whose streams get `tau` tokens an event (its drafts accepted
         more or less often than the calibration's), verifying `drafts` draft tokens a sequence's
         step (None: as many more or fewer than the calibration's as tokens kept): a step grows by
-        `spec_token_s` per sequence for each extra draft, and the decode fit (per token) is that
-        step ÷ τ."""
+        `spec_token_s` per sequence and `spec_ctx_token_s` per context token for each extra draft,
+        and the decode fit (per token) is that step ÷ τ."""
         if not tau >= 1:
             raise ValueError(f"tokens per event must be >= 1, got {tau}")
         t0, d = self.tokens_per_event, self.decode
@@ -176,7 +181,8 @@ class Profile:
             per_seq = (d.per_seq_s * t0 + spec * (d1 - d0)) / tau
             if per_seq < 0:
                 raise ValueError(f"tokens per event {tau}: below what this profile's calibration can extrapolate to")
-            return DecodeFit(d.base_s * t0 / tau, per_seq, d.per_ctx_token_s * t0 / tau)
+            per_ctx = (d.per_ctx_token_s * t0 + self.spec_ctx_token_s * (d1 - d0)) / tau
+            return DecodeFit(d.base_s * t0 / tau, per_seq, per_ctx)
 
         known = None if drafts is None and self.drafts_per_event is None else d1
         wide = None if self.decode_wide is None else moved(self.decode_wide, self.spec_token_wide_s)
@@ -241,6 +247,7 @@ class Profile:
                 "prefill": {"fit": asdict(self.prefill)}, "decode": {"fit": asdict(self.decode)},
                 **({} if self.decode_wide is None else {"decode_wide": {"fit": asdict(self.decode_wide)},
                                                           "spec_token_wide_s": self.spec_token_wide_s}),
+                **({"spec_ctx_token_s": self.spec_ctx_token_s} if self.spec_ctx_token_s else {}),
                 "kv_transfer": {path: {"write": asdict(t.write), "read": asdict(t.read)}
                                 for path, t in self.transfer.items()}}
 
@@ -264,7 +271,8 @@ class Profile:
                        draft_row_s=float(data.get("draft_row_s", 0.0)),
                        unlent=tuple(float(f) for f in data.get("unlent", (1.0, 1.0))),
                        decode_wide=DecodeFit(**data["decode_wide"]["fit"]) if data.get("decode_wide") else None,
-                       spec_token_wide_s=float(data.get("spec_token_wide_s", 0.0)), meta=data.get("meta", {}))
+                       spec_token_wide_s=float(data.get("spec_token_wide_s", 0.0)),
+                       spec_ctx_token_s=float(data.get("spec_ctx_token_s", 0.0)), meta=data.get("meta", {}))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"profile: malformed ({exc})") from None
 

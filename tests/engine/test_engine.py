@@ -271,4 +271,6 @@ def test_each_step_is_logged_where_asked(tmp_path, monkeypatch):
     assert sum(s["decode_rows"] for s in steps) == 2 * 2  # each answer's two tokens after its first
     last = steps[-1]
     assert last["prompt_seqs"] == 0 and last["decode_ctx"] >= 40 and last["threads"] == torch.get_num_threads()
+    # no speculation here: a row a sequence, so each row attends over its sequence's context
+    assert all(s["decode_row_ctx"] == s["decode_ctx"] for s in steps)
     assert all(s["s"] > 0 for s in steps)

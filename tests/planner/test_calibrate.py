@@ -166,9 +166,10 @@ def test_a_wider_run_bends_the_decode_fit_to_what_a_chats_batch_costs():
 
 def _write_steps(path, since: float) -> None:
     """A decode worker's step log (PDSERVE_STEP_LOG) on 2 cores: steps on one thread cost 9 ms +
-    2 ms a sequence + 2 ms a draft row, on two 15 ms + 0.75 ms + 1 ms (+ 3 µs a context token each);
-    and what the fit must leave out: a prefill worker's prompt steps, steps from before `since`, a
-    line cut short."""
+    2 ms a sequence + 2 ms a draft row, on two 15 ms + 0.75 ms + 1 ms (+ 3 µs a row and context token
+    each: a draft attends over the context too; the two-thread lines as logged before they carried
+    `decode_row_ctx`); and what the fit must leave out: a prefill worker's prompt steps, steps from
+    before `since`, a line cut short."""
     import itertools
     import json
 
@@ -176,9 +177,10 @@ def _write_steps(path, since: float) -> None:
     for threads, (base, seq, draft) in ((1, (9e-3, 2e-3, 2e-3)), (2, (15e-3, 0.75e-3, 1e-3))):
         for b, d, ctx in itertools.product((1, 2, 3, 5, 8), (0, 1, 3), (100, 400, 900, 1500)):
             rows = b * (1 + d)
-            lines.append({"t": since + 1, "s": base + seq * b + draft * b * d + 3e-6 * b * ctx, "threads": threads,
+            lines.append({"t": since + 1, "s": base + seq * b + draft * b * d + 3e-6 * rows * ctx, "threads": threads,
                           "prompt_seqs": 0, "prompt_rows": 0, "prompt_ctx": 0, "decode_seqs": b,
-                          "decode_rows": rows, "decode_ctx": b * ctx})
+                          "decode_rows": rows, "decode_ctx": b * ctx} | ({"decode_row_ctx": rows * ctx}
+                                                                           if threads == 1 else {}))
     lines.append(dict(lines[0], t=since - 5, s=1.0))  # the warm-up's
     lines.append(dict(lines[0], prompt_seqs=1, prompt_rows=300, s=0.3))  # a prompt's chunk
     path.write_text("\n".join(json.dumps(r) for r in lines) + '\n{"t": 1, "s"')
@@ -189,7 +191,7 @@ def test_the_engine_s_logged_decode_steps_give_a_fit_per_width(tmp_path):
     apart; `calibrate` makes them the profile's `decode` and `decode_wide`, each with what an event
     adds to a step (the batch-1 run's gap less its logged step), and the lending run's decode
     slowdown is then the width's. A calibration recorded with them calibrates again the same."""
-    from services.planner.calibrate import decode_steps, recalibrate
+    from services.planner.calibrate import decode_steps, logged_decode_steps, recalibrate, step_fit_error
 
     _write_steps(tmp_path / "steps-7.jsonl", since=1000.0)
     steps = decode_steps(tmp_path, since=1000.0, cores=2)
@@ -198,17 +200,30 @@ def test_the_engine_s_logged_decode_steps_give_a_fit_per_width(tmp_path):
     assert (share["base_s"], share["per_seq_s"], share["per_draft_s"], share["per_ctx_token_s"]) == \
         pytest.approx((9e-3, 2e-3, 2e-3, 3e-6))
     assert (wide["base_s"], wide["per_seq_s"], wide["per_draft_s"]) == pytest.approx((15e-3, 0.75e-3, 1e-3))
+    # the fits read the steps they were fitted on exactly, and steps 10% slower 10% short
+    logged = logged_decode_steps(tmp_path, since=1000.0)
+    assert len(logged) == 120  # not the prompt's chunk, nor the warm-up's step, nor the cut line
+    for slower, error in ((1.0, 0.0), (1.1, 1 / 1.1 - 1)):
+        read = step_fit_error(steps, [dict(r, s=r["s"] * slower) for r in logged])
+        assert {w: (e["steps"], e["error"]) for w, e in read.items()} == \
+            {"share": (60, pytest.approx(error)), "wide": (60, pytest.approx(error))}
+    assert step_fit_error(steps, [dict(r, threads=4) for r in logged]) is None
     assert decode_steps(tmp_path, since=1000.0, cores=1) is None  # one core: one width
     assert decode_steps(tmp_path, since=2000.0, cores=2) is None  # none since
 
     runs = _runs(gap=0.025)  # batch 1, 1 draft a step (τ 2), 148 tokens of context: a 13.4 ms step
     p = calibrate(PROFILE, runs, steps)
-    overhead = 0.025 - (9e-3 + 2e-3 + 2e-3 + 3e-6 * 148)
+    overhead = 0.025 - (9e-3 + 2e-3 + 2e-3 + 3e-6 * 2 * 148)  # two rows over the context
     assert p.meta["calibration"]["event_overhead_s"] == pytest.approx(overhead)
     assert p.unlent[1] == 1.0 and p.spec_token_s == pytest.approx(2e-3) and p.spec_token_wide_s == pytest.approx(1e-3)
+    assert p.spec_ctx_token_s == pytest.approx(3e-6)
     assert p.decode_time(1, 148) * 2 == pytest.approx(0.025)  # batch 1 on its share meets its event gap
-    # eight streams, a draft each, on both cores: 15 + 8 × (0.75 + 1) ms + the event's, ÷ 2 tokens
-    assert p.decode_time(8, 8 * 148, wide=True) * 2 == pytest.approx(15e-3 + 8 * 1.75e-3 + 3e-6 * 8 * 148 + overhead)
+    # eight streams, a draft each, on both cores: 15 + 8 × (0.75 + 1) ms + their rows' context + the event's, ÷ 2 tokens
+    assert p.decode_time(8, 8 * 148, wide=True) * 2 == pytest.approx(
+        15e-3 + 8 * 1.75e-3 + 3e-6 * 2 * 8 * 148 + overhead)
+    # a long document's drafts cost more: at 3 drafts an event (τ 3) and 1,000 tokens of context, 4 rows read it
+    doc = p.with_tokens_per_event(3.0, 3.0)
+    assert doc.decode_time(1, 1000) * 3 == pytest.approx(9e-3 + 2e-3 + 3 * 2e-3 + 3e-6 * 4 * 1000 + overhead)
     assert p.wide_decode_ratio(1, 148) > 1 > p.wide_decode_ratio(8, 8 * 148)
     again = recalibrate(p)
     assert again.decode_wide == p.decode_wide and again.decode == p.decode and again.unlent == p.unlent
