@@ -276,8 +276,13 @@ def planner_from_args(args, gpus: tuple[int, int] | None = None,
     """The planner the flags ask for. Its budget weighs each pod by `gpus` (prefill, decode): given,
     or `--gpus-per-pod`, or read from the Deployments' pods (their GPU limits), asked again while
     the API server cannot be reached (None: `stop` was set first); the flags are checked before."""
-    config = limits_config(args, gpus=gpus or args.gpus_per_pod or (1, 1))
-    scaler = forecast_scaler(args, config, "pdserve planner", kv_path="network") if args.policy == "forecast" else None
+
+    def built(gpus: tuple[int, int]):
+        config = limits_config(args, gpus=gpus)
+        forecast = args.policy == "forecast"
+        return config, forecast_scaler(args, config, "pdserve planner", kv_path="network") if forecast else None
+
+    config, scaler = built(gpus or args.gpus_per_pod or (1, 1))
     if args.kube_api:
         client = KubeClient(args.kube_api, args.namespace or "default", args.kube_token_file, args.kube_ca_file)
     else:
@@ -288,7 +293,7 @@ def planner_from_args(args, gpus: tuple[int, int] | None = None,
         if read is None:
             return None
         if read != (1, 1):
-            return planner_from_args(args, read, stop)
+            config, scaler = built(read)
     log.info("%s", config.describe("pods"))
     if scaler is not None:
         return ForecastKubePlanner(scaler, actuator, args.gateway_deployment, args.gateway_port)
