@@ -1,9 +1,10 @@
 """One streaming request to an OpenAI-compatible server → a RequestRecord.
 
-Times are seconds from the run's start (`time.perf_counter()` based). A token time is the arrival of
-an SSE chunk carrying non-empty text; the token count is the server's `usage.completion_tokens` when
-it sends one (stream_options.include_usage), else the number of such chunks (a chunk can carry more
-than one token when a server holds back a partial UTF-8 character, so that count can be low).
+Times are seconds from the run's start (`time.perf_counter()` based; the run's `started_unix_s` is that
+start in wall-clock time). A token time is the arrival of an SSE chunk carrying non-empty text; the
+token count is the server's `usage.completion_tokens` when it sends one (stream_options.include_usage),
+else the number of such chunks (a chunk can carry more than one token when a server holds back a
+partial UTF-8 character, so that count can be low).
 
 Every request ends in exactly one status:
 

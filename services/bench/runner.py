@@ -104,11 +104,15 @@ class RunResult:
     summary: dict[str, Any]
     long_arrivals_s: list[float] = field(default_factory=list)  # interference: send times of the long prompts
     itl_from_s: float | None = None  # ITLs before this run time are not in the summary
+    # the wall-clock time (time.time()) of the run's start, which its records' times count from: what
+    # lines them up with the servers' own logs (traces, PDSERVE_STEP_LOG)
+    started_unix_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"label": self.label, "request_rate": _finite(self.request_rate), "max_concurrency": self.max_concurrency,
                 "duration_s": self.duration_s, "long_arrivals_s": self.long_arrivals_s, "itl_from_s": self.itl_from_s,
-                "summary": self.summary, "records": [r.to_json() for r in self.records]}
+                "started_unix_s": self.started_unix_s, "summary": self.summary,
+                "records": [r.to_json() for r in self.records]}
 
 
 @dataclass
@@ -205,7 +209,7 @@ async def _run_open(config: BenchConfig, target: Target, client: httpx.AsyncClie
     label = _run_label(rate, config.max_concurrency)
     progress = Progress(f"{config.label or workload.name} {label}", config.num_requests, config.progress)
     slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()
 
     async def one(index: int, at: float) -> RequestRecord:
         try:
@@ -234,7 +238,8 @@ async def _run_open(config: BenchConfig, target: Target, client: httpx.AsyncClie
     records = list(await asyncio.gather(*tasks))
     progress.close()
     duration = time.perf_counter() - t0
-    return RunResult(label, rate, config.max_concurrency, duration, records, summarize(records, duration, config.slo))
+    return RunResult(label, rate, config.max_concurrency, duration, records, summarize(records, duration, config.slo),
+                     started_unix_s=started)
 
 
 async def _run_interference(config: BenchConfig, target: Target, client: httpx.AsyncClient, chat: Workload,
@@ -245,7 +250,7 @@ async def _run_interference(config: BenchConfig, target: Target, client: httpx.A
     window = config.duration_s
     records: list[RequestRecord] = []
     next_chat = itertools.count(first_chat)
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()
 
     async def chat_stream() -> None:
         while time.perf_counter() - t0 < window:
@@ -270,4 +275,5 @@ async def _run_interference(config: BenchConfig, target: Target, client: httpx.A
     records.sort(key=lambda r: (r.kind, r.index))
     long_sent = sorted(r.sent_s for r in records if r.kind == "long")
     summary = summarize(records, duration, config.slo, itl_from_s=config.warmup_s)
-    return RunResult(label, math.inf, config.max_concurrency, duration, records, summary, long_sent, config.warmup_s)
+    return RunResult(label, math.inf, config.max_concurrency, duration, records, summary, long_sent, config.warmup_s,
+                     started)

@@ -10,6 +10,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -247,6 +248,7 @@ async def test_runner_closed_loop_respects_concurrency_and_accounts_for_all(tmp_
     dataset.write_text("\n".join(json.dumps(x) for x in lines))
     config = BenchConfig("http://fake", model="m", dataset=str(dataset), num_requests=10, max_concurrency=3,
                          slo=SLO(ttft_ms=10_000), progress=False)
+    before = time.time()
     result = await run_benchmark_async(config, transport=httpx.MockTransport(server.handle))
     (run,) = result.runs
     s = run.summary
@@ -260,6 +262,10 @@ async def test_runner_closed_loop_respects_concurrency_and_accounts_for_all(tmp_
     write_json(result, tmp_path / "r.json")
     data = json.loads((tmp_path / "r.json").read_text())
     assert len(data["runs"][0]["records"]) == 10
+    # the records' times count from the run's start, which the result gives in wall-clock time (to line
+    # them up with the servers' logs): the last record ended at that start + its end_s, before now
+    start = data["runs"][0]["started_unix_s"]
+    assert before <= start <= start + max(r["end_s"] for r in data["runs"][0]["records"]) <= time.time()
 
 
 async def test_runner_rate_sweep_and_interference():
