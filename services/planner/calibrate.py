@@ -117,8 +117,9 @@ class LendingRun:
 # not extrapolated from batches of 1-3 (BENCHMARKS.md, "Engines on one host's cores": on the AMX
 # host the plain step's base went from 8.8 to 13.0 ms, its context term from 5.9 to 3.6 us a token,
 # its per-sequence term stayed 1.6 ms). Concurrency beyond 1 is for `high_batch` 4, scaled with it.
-# The long prompt's answers (12 tokens until 2026-12-07) give the logged steps' fit a context's reach
-RUNS = ((1, 128, 40), (1, 768, 40), (4, 128, 40), (8, 128, 96))
+# The long prompt's answers (12 tokens until 2026-12-07) give the logged steps' fit a context's reach:
+# its row-and-context term moved 0.9-1.9 us between calibrations at 40 tokens (~50 steps), 1.0-1.7 at 96
+RUNS = ((1, 128, 40), (1, 768, 96), (4, 128, 40), (8, 128, 96))
 # the streams' prompts short (the calibration's short ones), so that the long ones seldom queue behind them
 LEND_STREAMS, LEND_PROMPT, LEND_STREAM_PROMPT, LEND_INTERVAL_S, LEND_DURATION_S = 2, 768, 128, 3.0, 12.0
 SHAPE_POINTS = tuple((i + 0.5) / 20 for i in range(20))
@@ -444,16 +445,18 @@ def calibrate(profile: Profile, runs: list, steps: dict | None = None) -> Profil
 def _stepped(plain: Profile, short: CalibrationRun, steps: dict) -> tuple[Profile, float]:
     """`plain` with its decode fits read off the served engine's steps (`decode_steps`): on its share
     of the host (`decode`, `spec_token_s`) and on the whole host (`decode_wide`, `spec_token_wide_s`),
-    each plus what an event adds to a step: the batch-1 run's event gap less its logged step. The
-    decode slowdown the lending run saw is then the width's (a step of 2 streams on one core while
-    the other prefills), not a factor more (unlent's decode part 1). A context term per row (fitted
+    each plus what an event adds to a step: the engine loop's time between two steps, where the log
+    measured it (since 2026-12-07), else the batch-1 run's event gap less its logged step (a
+    difference of two means: it read 0 in every run, where the loop takes ~1 ms). The decode
+    slowdown the lending run saw is then the width's (a step of 2 streams on one core while the
+    other prefills), not a factor more (unlent's decode part 1). A context term per row (fitted
     since 2026-12-07) is the plain step's, and each draft's (`spec_ctx_token_s`)."""
     share, wide = steps["share"], steps["wide"]
     ctx, per_ctx = short.prompt_tokens + short.output_tokens // 2, share["per_ctx_token_s"]
     spec_ctx = per_ctx if share.get("ctx_per") == "row" else 0.0
     step = (share["base_s"] + share["per_seq_s"] + (share["per_draft_s"] + spec_ctx * ctx) * short.extra_rows
             + per_ctx * ctx)
-    overhead = max(0.0, short.event_gap_s - step)
+    overhead = share.get("between_steps_s", max(0.0, short.event_gap_s - step))
     return replace(plain, decode=DecodeFit(share["base_s"] + overhead, share["per_seq_s"], per_ctx),
                    spec_token_s=share["per_draft_s"],
                    decode_wide=DecodeFit(wide["base_s"] + overhead, wide["per_seq_s"], per_ctx),
@@ -463,6 +466,7 @@ def _stepped(plain: Profile, short: CalibrationRun, steps: dict) -> tuple[Profil
 
 STEP_LOG = "steps-{pid}.jsonl"  # PDSERVE_STEP_LOG's file in a calibration stack's workdir, one per worker
 MIN_STEPS = 50  # served decode steps of a width before it is fitted
+BUSY_GAP_S = 0.02  # a pause between two decode steps shorter than this is the engine's loop, not its idling
 
 
 @contextmanager
@@ -479,19 +483,42 @@ def logging_steps(workdir: Path):
             os.environ["PDSERVE_STEP_LOG"] = before
 
 
-def logged_decode_steps(workdir: Path, since: float, until: float = math.inf) -> list[dict]:
-    """The decode steps (no prompt's chunk in them) the engines logged in `workdir` from `since` to
-    `until` (time.time())."""
-    steps = []
+def _logged_steps(workdir: Path, since: float, until: float = math.inf) -> list[list[dict]]:
+    """Each engine's logged steps in `workdir` from `since` to `until` (time.time()), in order."""
+    out = []
     for path in sorted(Path(workdir).glob(STEP_LOG.replace("{pid}", "*"))):
+        steps = []
         for line in path.read_text().splitlines():
             try:
                 r = json.loads(line)
             except ValueError:  # a worker stopped mid-line
                 continue
-            if since <= r["t"] < until and not r["prompt_seqs"] and r["decode_seqs"]:
+            if since <= r["t"] < until:
                 steps.append(r)
-    return steps
+        out.append(steps)
+    return out
+
+
+def _decode_only(r: dict) -> bool:
+    return bool(r["decode_seqs"]) and not r["prompt_seqs"]
+
+
+def logged_decode_steps(workdir: Path, since: float, until: float = math.inf) -> list[dict]:
+    """The decode steps (no prompt's chunk in them) the engines logged in `workdir` from `since` to
+    `until` (time.time())."""
+    return [r for steps in _logged_steps(workdir, since, until) for r in steps if _decode_only(r)]
+
+
+def between_decode_steps(workdir: Path, since: float) -> float | None:
+    """The mean time an engine's loop takes between two decode steps back to back (the next one's
+    start less the last one's end, under `BUSY_GAP_S`): scheduling, sampling's bookkeeping, the
+    tokens' publishing. A stream's event gap is its step and this (a step-logged 1 + 1 stack:
+    0.8-1.05 ms, on one core and on two alike), which the logged step's seconds do not hold. None
+    without two such steps."""
+    pauses = [b["t"] - b["s"] - a["t"] for steps in _logged_steps(workdir, since)
+              for a, b in zip(steps, steps[1:]) if _decode_only(a) and _decode_only(b)]
+    pauses = [x for x in pauses if 0.0 <= x < BUSY_GAP_S]
+    return sum(pauses) / len(pauses) if pauses else None
 
 
 def _step_terms(r: dict) -> list[float]:
@@ -525,8 +552,10 @@ def decode_steps(workdir: Path, since: float, cores: int) -> dict | None:
     fit = _non_negative_fit(np.array(rows), np.array(target))
     if fit is None:
         return None
+    between = between_decode_steps(workdir, since)
     return {name: {"threads": t, "steps": counts[name], "base_s": float(fit[3 * i]), "per_seq_s": float(fit[3 * i + 1]),
                    "per_draft_s": float(fit[3 * i + 2]), "per_ctx_token_s": float(fit[6]), "ctx_per": "row"}
+            | ({} if between is None else {"between_steps_s": between})
             for i, (name, t) in enumerate(widths.items())}
 
 

@@ -186,6 +186,34 @@ def _write_steps(path, since: float) -> None:
     path.write_text("\n".join(json.dumps(r) for r in lines) + '\n{"t": 1, "s"')
 
 
+def test_the_engine_loop_s_time_between_decode_steps_is_what_an_event_adds_to_a_step(tmp_path):
+    """`between_decode_steps`: the mean pause between two decode steps back to back in each worker's
+    log (the loop's work outside the logged step), not a pause where the engine idled, nor one
+    beside a prompt's chunk; `calibrate` adds it to both widths' steps as what an event adds."""
+    import json
+
+    from services.planner.calibrate import between_decode_steps, decode_steps
+
+    _write_steps(tmp_path / "steps-7.jsonl", since=1000.0)
+    assert between_decode_steps(tmp_path, since=1000.0) is None  # all at one time: no steps back to back
+    pauses = [0.001, 0.002, 0.5, 0.0015, 0.001] * 12  # 0.5 s: the engine waited for work
+    t, lines = 2000.0, []
+    for i, pause in enumerate(pauses):
+        t += pause + 0.02
+        lines.append({"t": t, "s": 0.02, "threads": 1 + i % 2, "prompt_seqs": 0, "prompt_rows": 0, "prompt_ctx": 0,
+                      "decode_seqs": 1, "decode_rows": 2, "decode_ctx": 200, "decode_row_ctx": 400})
+    # a prompt's chunk between steps 29 and 30: neither pause beside it counts, nor the one it splits
+    lines.insert(30, dict(lines[29], t=lines[29]["t"] + 0.0005, prompt_seqs=1, prompt_rows=64, s=0.0001))
+    (tmp_path / "steps-8.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    between = between_decode_steps(tmp_path, since=1500.0)
+    counted = [x for i, x in enumerate(pauses) if i not in (0, 30) and x < 0.5]  # the first step has none before it
+    assert between == pytest.approx(sum(counted) / len(counted))
+    steps = decode_steps(tmp_path, since=0.0, cores=2)
+    assert steps["share"]["between_steps_s"] == steps["wide"]["between_steps_s"] == between
+    p = calibrate(PROFILE, _runs(gap=0.025), steps)
+    assert p.meta["calibration"]["event_overhead_s"] == between
+
+
 def test_the_engine_s_logged_decode_steps_give_a_fit_per_width(tmp_path):
     """`decode_steps` fits the served decode steps on the engine's share and on the whole host
     apart; `calibrate` makes them the profile's `decode` and `decode_wide`, each with what an event

@@ -6,13 +6,13 @@ against real measurements in a second, where the live comparison (tests/sim/test
 takes minutes and moves with the shared cores' noise.
 
 Two hosts' runs: five on an AVX2-only AMD EPYC Zen 1 (its cases stretched, `calibrate.host_scale`),
-thirty-one on Intel Xeons with AMX (twenty of them served after the KV handoff was shortened, the
-last thirteen with the long-doc cases answering 32-128 tokens, the last six calibrated with the
-decode steps' costs by width, read off the engine's step log, the last five with a context term
-per row). The bounds are each host's agreement today, with a margin (BENCHMARKS.md, 2026-12-06
-and 07): every metric's mean error over its runs within ±12% (today -8.4% to +6.8%), and the mean
-absolute error at most 14% on the AVX2 host (12.0%) and 11% on the AMX one (8.8%). A better
-simulator passes them; one
+thirty-seven on Intel Xeons with AMX (twenty-six of them served after the KV handoff was shortened,
+the last nineteen with the long-doc cases answering 32-128 tokens, the last twelve calibrated with
+the decode steps' costs by width, read off the engine's step log, the last eleven with a context
+term per row, the last three with the engine loop's time between steps). The bounds are each
+host's agreement today, with a margin (BENCHMARKS.md, 2026-12-06 and 07): every metric's mean error
+over its runs within ±12% (today -8.0% to +6.8%), and the mean absolute error at most 14% on the
+AVX2 host (12.0%) and 11% on the AMX one (8.8%). A better simulator passes them; one
 that moves a metric the same way in every case, or loses a part of its model, does not (the
 second test)."""
 
