@@ -454,9 +454,11 @@ def _stepped(plain: Profile, short: CalibrationRun, steps: dict) -> tuple[Profil
     share, wide = steps["share"], steps["wide"]
     ctx, per_ctx = short.prompt_tokens + short.output_tokens // 2, share["per_ctx_token_s"]
     spec_ctx = per_ctx if share.get("ctx_per") == "row" else 0.0
-    step = (share["base_s"] + share["per_seq_s"] + (share["per_draft_s"] + spec_ctx * ctx) * short.extra_rows
-            + per_ctx * ctx)
-    overhead = share.get("between_steps_s", max(0.0, short.event_gap_s - step))
+    overhead = share.get("between_steps_s")
+    if overhead is None:  # logged before 2026-12-07: the batch-1 gap less its fitted step
+        step = (share["base_s"] + share["per_seq_s"] + (share["per_draft_s"] + spec_ctx * ctx) * short.extra_rows
+                + per_ctx * ctx)
+        overhead = max(0.0, short.event_gap_s - step)
     return replace(plain, decode=DecodeFit(share["base_s"] + overhead, share["per_seq_s"], per_ctx),
                    spec_token_s=share["per_draft_s"],
                    decode_wide=DecodeFit(wide["base_s"] + overhead, wide["per_seq_s"], per_ctx),
@@ -515,7 +517,11 @@ def between_decode_steps(workdir: Path, since: float) -> float | None:
     tokens' publishing. A stream's event gap is its step and this (0.80-1.14 ms in twelve 1 + 1
     calibrations on 2 AMX cores, on one core and on two alike), which the logged step's seconds do
     not hold. None without two such steps."""
-    pauses = [b["t"] - b["s"] - a["t"] for steps in _logged_steps(workdir, since)
+    return _between(_logged_steps(workdir, since))
+
+
+def _between(engines: list[list[dict]]) -> float | None:
+    pauses = [b["t"] - b["s"] - a["t"] for steps in engines
               for a, b in zip(steps, steps[1:]) if _decode_only(a) and _decode_only(b)]
     pauses = [x for x in pauses if 0.0 <= x < BUSY_GAP_S]
     return sum(pauses) / len(pauses) if pauses else None
@@ -537,7 +543,8 @@ def decode_steps(workdir: Path, since: float, cores: int) -> dict | None:
     short). It is one for both widths (the runs' contexts are too alike within a width to tell it
     from the per-sequence term: alone, the wide steps' came out 3× the share's, and chat's wide steps
     24% too slow). None unless each width has `MIN_STEPS` (a host of one core has one width)."""
-    steps = logged_decode_steps(workdir, since)
+    engines = _logged_steps(workdir, since)  # read once: the fit's steps, and the loop's time between them
+    steps = [r for e in engines for r in e if _decode_only(r)]
     widths = {"share": max(1, cores // 2), "wide": cores}
     counts = {name: sum(r["threads"] == t for r in steps) for name, t in widths.items()}
     if cores < 2 or min(counts.values()) < MIN_STEPS:
@@ -552,7 +559,7 @@ def decode_steps(workdir: Path, since: float, cores: int) -> dict | None:
     fit = _non_negative_fit(np.array(rows), np.array(target))
     if fit is None:
         return None
-    between = between_decode_steps(workdir, since)
+    between = _between(engines)
     return {name: {"threads": t, "steps": counts[name], "base_s": float(fit[3 * i]), "per_seq_s": float(fit[3 * i + 1]),
                    "per_draft_s": float(fit[3 * i + 2]), "per_ctx_token_s": float(fit[6]), "ctx_per": "row"}
             | ({} if between is None else {"between_steps_s": between})

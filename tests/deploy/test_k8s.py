@@ -430,7 +430,7 @@ def test_a_plan_is_written_as_an_overlay_that_deploys_it(tmp_path):
     """`pdserve plan --kustomize DIR`: an overlay over production that renders, with the pools at the
     plan's counts, its chunk budget and jobs a prefill worker in the workers' environment, and
     `pdserve planner` given the plan's SLOs, budget and what a worker carries (the forecast policy),
-    flags its own parser and limits take. A colocated plan is refused, with the reason."""
+    flags its own parser and limits take."""
     import sys
 
     from services.cli import build_parser
@@ -462,8 +462,12 @@ def test_a_plan_is_written_as_an_overlay_that_deploys_it(tmp_path):
     assert (config.slo_ttft_p90_s, config.slo_itl_p90_s) == (1.5, 0.15)
     assert config.bounds("prefill")[0] <= rec["prefill"] <= config.bounds("prefill")[1]
 
+
+def test_a_colocated_plan_is_not_written_as_an_overlay():
+    """The deploy files run separate prefill and decode pools: a colocated plan is refused with the
+    reason (no kubectl needed to tell)."""
     from services.planner.kustomize import overlay
 
-    colocated = {"recommended": dict(rec, mode="colocated"), "slo": {}, "budget": 4}
+    colocated = {"recommended": {"mode": "colocated", "prefill": 0, "decode": 2}, "slo": {}, "budget": 4}
     with pytest.raises(ValueError, match="colocated plan is not written"):
         overlay(colocated)
