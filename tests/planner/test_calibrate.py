@@ -57,6 +57,9 @@ def test_a_slower_host_stretches_the_runs_so_its_prefill_pool_is_as_busy():
     assert host_scale(slow, reference) == pytest.approx(math.sqrt(8))
     fast = dataclasses.replace(PROFILE, prefill=PrefillFit(*(x / 2 for x in dataclasses.astuple(p))))
     assert host_scale(fast, reference) == 1.0  # a faster host runs the cases as they are
+    # nor does one a few percent slower: its cases (and their arrivals, seeded by the rate) are the same
+    noisy = dataclasses.replace(PROFILE, prefill=PrefillFit(*(1.05 * x for x in dataclasses.astuple(p))))
+    assert host_scale(noisy, reference) == 1.0
 
     s = math.sqrt(8)
     for case in CASES:
