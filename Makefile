@@ -38,8 +38,13 @@ tools:
 	    { $(APT_INSTALL) || { apt-get update -q >/dev/null && $(APT_INSTALL); }; }; } || \
 	  echo "make tools: chromium/promtool/ip missing and not installable here; their tests will say so"
 
+# the suite in TEST_JOBS processes (pytest-xdist, a test file to a process: its module's stack starts
+# once), then alone the tests that time this machine (marked serial). Exit status 5 is pytest's "no
+# test collected": a PYTEST_ARGS that names only one kind of test.
+TEST_JOBS ?= 2
 test: install model tools
-	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not serial" --durations=15 $(PYTEST_ARGS) || [ $$? = 5 ]
+	$(BIN)/python -m pytest -q -m serial $(PYTEST_ARGS) || [ $$? = 5 ]
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -18,6 +18,7 @@ TOLERANCE = 0.15
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # it times the stack: nothing else may run beside it
 @pytest.mark.timeout(1200)  # 7-9.5 min on an AVX2-only Zen 1 (its cases stretched ×3), ~3 on the AVX-512 host
 @pytest.mark.xfail(raises=AssertionError, strict=False,
                    reason="issue 15 is open: the real stack is not repeatable to 15% on these shared 2 cores. Three "
