@@ -13,9 +13,9 @@ term per row, the last three with the engine loop's time between steps), and six
 host, an AVX-512 VNNI AMD EPYC Zen 4, with all of that (2026-12-07). The bounds are each host's
 agreement today, with a margin (BENCHMARKS.md, 2026-12-06 and 07): every metric's mean error over
 its runs within ±12% (today -8.0% to +6.8%), and the mean absolute error at most 14% on the AVX2
-host (12.0%), 11% on the AMX one (8.8%) and 13% on the Zen 4 (10.6%). A better simulator passes them; one
-that moves a metric the same way in every case, or loses a part of its model, does not (the
-second test)."""
+host (12.0%), 11% on the AMX one (8.8%) and 13% on the Zen 4 (10.6%). A better simulator passes
+them; one that moves a metric the same way in every case, or loses a part of its model, does not
+(the second test)."""
 
 from __future__ import annotations
 
