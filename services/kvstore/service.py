@@ -101,8 +101,13 @@ class KVStoreService:
                 await stopping
             else:
                 log.info("kvstore %s: stopped before it finished starting", self.store)
-                starting.cancel()
-                await asyncio.gather(starting, return_exceptions=True)
+                # cancelled again until it ends: on Python 3.11 a cancel can be lost in nats-py's
+                # connect, whose asyncio.wait_for returns the refused connection's OSError instead
+                # when both land together (cpython gh-86296), and the connect then retries forever
+                # (a stop under load hung here, 2026-12-07)
+                while not starting.done():
+                    starting.cancel()
+                    await asyncio.wait({starting}, timeout=0.5)
         finally:
             starting.cancel()
             stopping.cancel()

@@ -474,6 +474,32 @@ async def test_stop_while_nats_is_unreachable(valkey_server):
     assert not Path("/dev/shm", shm_name).exists()
 
 
+async def test_stop_while_starting_ends_even_when_a_cancel_is_lost(valkey_server, monkeypatch):
+    """A start that swallows a cancel (Python 3.11's asyncio.wait_for can, inside nats-py's connect
+    loop) is cancelled again: the stop still ends the service."""
+    config = KVStoreConfig(block_bytes=BLOCK_BYTES, layout=LAYOUT, num_slots=2, store="deaf",
+                           nats_url="nats://127.0.0.1:1", redis_url=valkey_server.url)
+    service = KVStoreService(config)
+    cancels = []
+
+    async def start_deaf_to_one_cancel():
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancels.append(1)
+                if len(cancels) > 1:
+                    raise
+
+    monkeypatch.setattr(service, "start", start_deaf_to_one_cancel)
+    stop = asyncio.Event()
+    task = asyncio.create_task(service.run(stop))
+    await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert len(cancels) == 2
+
+
 def test_block_layout_comes_from_the_model(default_gguf):
     from services.kvstore.__main__ import build_parser, config_from_args
 
