@@ -440,7 +440,7 @@ def test_a_plan_is_written_as_an_overlay_that_deploys_it(tmp_path):
         pytest.skip("kubectl is not installed: it renders the kustomize overlays")
     out = tmp_path / "plan-overlay"
     # the profile is named: the one shipped for this host's CPU may plan no configuration within the
-    # budget (the Zen 4's of 2026-12-05 simulated chat's TTFT p90 at 1.6-2.9 s), and this is about the overlay
+    # budget (on the Zen 4's, chat's simulated TTFT p90 is 1.6-2.9 s), and this is about the overlay
     profile = ROOT / "shared/sim/profiles/cpu-smollm2-135m-amx.json"
     plan = subprocess.run([sys.executable, "-m", "services.cli", "plan", "--profile", str(profile),
                            "--workload", "chat", "--request-rate", "1",
