@@ -52,6 +52,7 @@ class AsyncEngine:
         self.cores = cores  # lend this engine's cores to the others on the host while idle
         self.borrow_from = borrow_from  # … and borrow theirs for steps of this many sequences, or a prompt's
         self._streams: dict[str, RequestStream] = {}
+        self._adding = 0  # requests submitted whose add has not run yet (it runs between steps)
         self._commands: list[Callable[[], None]] = []
         self._wake = asyncio.Event()
         self.steps = 0  # steps run so far: a caller can tell a busy engine from a stuck one
@@ -129,6 +130,7 @@ class AsyncEngine:
         stream = RequestStream(request_id)
 
         def command() -> None:
+            self._adding -= 1
             if request_id in self._streams:  # refused without touching the running request's stream
                 stream.queue.put_nowait(StreamItem(error=RequestError(f"request id {request_id!r} is already in use")))
                 return
@@ -139,13 +141,16 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
                 stream.queue.put_nowait(StreamItem(error=exc))
 
+        self._adding += 1
         self._commands.append(command)
         self._wake.set()
         return stream
 
     @property
     def num_requests(self) -> int:
-        return len(self._streams)
+        """The requests this engine holds, counting those submitted since its last step (a worker
+        deciding whether it has room for another job must see the one it just took)."""
+        return len(self._streams) + self._adding
 
     def queued_tokens(self) -> int:
         """Prompt tokens taken but not computed yet, less those the prefix cache held when they came:

@@ -107,3 +107,20 @@ async def test_queued_tokens_count_only_what_the_prefix_cache_does_not_hold():
     assert async_engine.queued_tokens() == 0
     stop.set()
     await loop_task
+
+
+async def test_a_request_counts_from_when_it_is_submitted_not_from_the_next_step():
+    """A decode worker takes another job only while `num_requests` is below its slots. The engine adds
+    a submitted request between steps; counted only then, a worker with one slot took a second job
+    a moment after the first, and that job sat in the engine's waiting queue, silent, where another
+    worker with room could have run it. The duplicate id, refused when its add runs, stops counting."""
+    engine = make_engine()
+    p, q = prompts([20, 20], seed=25)
+    async_engine = AsyncEngine(engine)
+    async_engine.add_request("a", p, GREEDY)
+    b = async_engine.add_prefilled("b", q, 7, engine.kv_cache.empty_blocks(2), GREEDY)  # (20 tokens: 2 blocks)
+    async_engine.add_request("a", p, GREEDY)
+    assert async_engine.num_requests == 3  # nothing has been added to the engine yet
+    async_engine._apply_commands()
+    assert b.queue.empty()  # not refused
+    assert async_engine.num_requests == 2 and len(engine.scheduler.waiting) + len(engine.scheduler.running) == 2
