@@ -13,7 +13,8 @@ forward as a broken stream:
 
 Every way out that is not a final event (client gone, inactivity or deadline timeout, a gap, a
 publish that failed) publishes a Cancel on pd.cancel.<rid>, so workers drop the request and free its
-blocks. Nothing waits forever: each wait is bounded by the inactivity timeout and the deadline.
+blocks. Nothing waits forever: each wait is bounded by the inactivity timeout (a job waiting in a
+queue: the queue timeout) and the deadline.
 """
 
 from __future__ import annotations
@@ -60,15 +61,22 @@ class RequestChannel:
     cancelled (a hung worker may wake up) and its late events are dropped. After `max_migrations` it
     ends with WORKER_LOST. Watched: the decode-side worker holding the request (a decode worker
     announces a job it takes with an empty event), and before that the worker the router sent the
-    job to (`routed`: its own subject has no one else to redeliver to). A dead prefill worker's
-    unacked job from the shared queue is redelivered by JetStream instead."""
+    job to (`routed`: its own subject has no one else to redeliver to) until it hands the job to the
+    decode queue. A dead prefill worker's unacked job from the shared queue is redelivered by
+    JetStream instead.
+
+    Timeouts: while a job waits in a queue — before a worker takes it, and between prefill and
+    decode (the prefill worker's `queued` notice) — the request waits up to `queue_timeout_s`, so a
+    busy pool makes it wait rather than fail; otherwise `inactivity_timeout_s` without an event
+    ends it. Queued for decode with no decode worker heartbeating (`live("decode")` false), nobody
+    will take it: the inactivity timeout applies again."""
 
     def __init__(self, nc: NATS, request_id: str, *, inactivity_timeout_s: float, deadline_s: float,
                  queue_timeout_s: float | None = None, resubmit=None, withdraw=None, silent_for=None, role_of=None,
-                 max_migrations: int = 0, worker_dead_s: float = 3.0, on_close=None) -> None:
+                 live=None, max_migrations: int = 0, worker_dead_s: float = 3.0, on_close=None) -> None:
         self.request_id = request_id
         self._on_close = on_close  # called once with this channel when it closes (the open-channel registry)
-        self._resubmit, self._silent_for, self._role_of = resubmit, silent_for, role_of
+        self._resubmit, self._silent_for, self._role_of, self._live = resubmit, silent_for, role_of, live
         # `await withdraw()` deletes the current attempt's job message if it is still in its queue: a
         # worker that never heard the Cancel (one restarted on its own subject) must not run it
         self._withdraw = withdraw
@@ -85,6 +93,7 @@ class RequestChannel:
         # wait queue_timeout_s (while NATS is up) instead of the inactivity timeout
         self._queue_timeout_s = max(inactivity_timeout_s, queue_timeout_s or 0.0)
         self._queued = True
+        self._queued_for = ""  # the pool whose queue holds the job, where known ("decode" after a handoff)
         self._deadline = time.monotonic() + deadline_s
         self._deadline_s = deadline_s
         self._finished = False  # a final event arrived: the workers are done with the request
@@ -164,10 +173,14 @@ class RequestChannel:
             event: TokenEvent = item
             if event.attempt < self.migrations:
                 continue  # from an attempt given up on (a hung worker that woke up)
-            if event.worker and self._role_of is not None and self._role_of(event.worker) in ("decode", "colocated"):
+            if self._decode_side(event.worker):
                 self._worker = event.worker  # a decode-side worker holds the request now: watch it
+            if event.queued and not self._decode_side(self._worker):
+                # handed to the decode pool's queue, where it waits for a worker with room: JetStream
+                # holds the job, not the prefill worker (a decode worker's notice may come first)
+                self._queued, self._queued_for, self._worker = True, "decode", ""
             if not event.token_ids and not event.finished:
-                continue  # a "taken" notice or a duplicate: nothing to stream
+                continue  # a "taken" or "queued" notice, or a duplicate: nothing to stream
             if event.index > self._seen:  # events were lost (e.g. NATS restarted): resume after what we have
                 await self._migrate(f"token stream broken: expected token {self._seen}, "
                                     f"got an event starting at {event.index}", ErrorCode.INTERNAL)
@@ -184,6 +197,9 @@ class RequestChannel:
                 self.progressed.set()
             yield event
 
+    def _decode_side(self, worker: str) -> bool:
+        return bool(worker) and self._role_of is not None and self._role_of(worker) in ("decode", "colocated")
+
     async def _next(self) -> object:
         while True:
             now = time.monotonic()
@@ -192,11 +208,15 @@ class RequestChannel:
                 raise StreamError(ErrorCode.TIMEOUT, f"request exceeded its {self._deadline_s:g} s deadline")
             idle = now - self._last_event
             connected = self._nc.is_connected
-            limit = self._queue_timeout_s if self._queued and connected else self._inactivity_timeout_s
+            orphaned = self._queued and self._queued_for and self._live is not None and not self._live(self._queued_for)
+            limit = self._queue_timeout_s if self._queued and connected and not orphaned else self._inactivity_timeout_s
             if idle >= limit:
                 if not connected:  # say why: the bus is down, not the workers slow
                     raise StreamError(ErrorCode.UNAVAILABLE, f"no tokens from the workers for "
                                       f"{self._inactivity_timeout_s:g} s: the gateway lost its connection to NATS")
+                if orphaned:
+                    raise StreamError(ErrorCode.UNAVAILABLE, f"no tokens from the workers for {limit:g} s: the "
+                                      f"request waits for a {self._queued_for} worker and none is alive")
                 if self._queued:
                     raise StreamError(ErrorCode.TIMEOUT, f"no worker took the request within {limit:g} s")
                 raise StreamError(ErrorCode.TIMEOUT, f"no tokens from the workers for {self._inactivity_timeout_s:g} s")
@@ -229,7 +249,7 @@ class RequestChannel:
         if self._withdraw is not None:
             await self._withdraw()
         self.migrations += 1
-        self._worker = ""
+        self._worker, self._queued_for = "", ""
         self._queued = True  # the resubmitted job waits in the queue again
         log.warning("request %s: %s after %d tokens; resubmitting (migration %d)",
                     self.request_id, why, self._seen, self.migrations)
@@ -350,6 +370,7 @@ class Dispatcher:
             queue_timeout_s=cfg.queue_timeout_s,
             resubmit=resubmit, withdraw=withdraw, silent_for=self._workers.silent_for if self._workers is not None else None,
             role_of=self._workers.role_of if self._workers is not None else None,
+            live=(lambda role: bool(self._workers.live(role))) if self._workers is not None else None,
             max_migrations=cfg.max_migrations, worker_dead_s=cfg.worker_dead_s, on_close=self._closed)
         self._opened(channel)
         try:

@@ -1,5 +1,6 @@
 """The prefill worker: pull a PrefillJob → reuse cached prefix blocks → prefill the rest → publish
-token 1 → write the new blocks to the kvstore → publish a DecodeJob → ack.
+token 1 → write the new blocks to the kvstore → publish a DecodeJob (and tell the gateway that the
+request is queued for decode) → ack.
 
 Jobs are pulled only while fewer than `max_inflight` are in progress (backpressure: the rest wait in
 the JetStream queue). A job is acked only once its DecodeJob is published, so a worker that dies
@@ -169,9 +170,14 @@ class PrefillWorker(WorkerRuntime):
             created_at=time.time(), deadline=job.deadline, attempt=job.attempt, timing=timing,
         )
         span.set_attributes({"pdserve.cached_tokens": len(hits) * bs, "pdserve.kv_bytes": timing.kv_bytes_written})
-        # a redelivered prefill job (this worker died before its ack) publishes the same id: stored once
+        # a redelivered prefill job (this worker died before its ack) publishes the same id: stored once;
+        # while the decode queue does not answer (its leader being elected), the gateway hears that
+        # this worker still has the request
         await nats_bus.publish_job(self.js, subjects.DECODE_JOBS, encode(decode_job), f"{rid}.{job.attempt}.decode",
-                                   headers=tracing.headers_for(span))
+                                   headers=tracing.headers_for(span),
+                                   on_retry=lambda: self.publish_tokens(rid, index + 1, []))
+        # the request waits for a decode worker with room now, as long as the decode pool is busy
+        await self.publish_tokens(rid, index + 1, [], queued=True)
 
     async def _store_blocks(self, rid: str, blocks: torch.Tensor, hits: list[KVBlockRef], keys: list[bytes],
                             lease: str, segment: str, timing: Timing) -> tuple[list[KVBlockRef], str, str]:

@@ -156,6 +156,9 @@ class TokenEvent(Msg, kw_only=True):
     error: str = ""
     worker: str = ""  # instance that produced it (for migration and debugging)
     attempt: int = 0  # the job attempt it belongs to; the gateway drops events of replaced attempts
+    # the request waits in a queue again until its next event: a prefill worker handed its DecodeJob
+    # to the decode pool's queue (the gateway waits its queue timeout, not its inactivity timeout)
+    queued: bool = False
 
 
 class Cancel(Msg, kw_only=True):

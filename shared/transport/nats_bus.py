@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import nats
 from nats.aio.client import Client as NATS
@@ -134,10 +134,12 @@ async def ensure_streams(js: JetStreamContext, storage: StorageType = StorageTyp
 
 
 async def publish_job(js: JetStreamContext, subject: str, payload: bytes, msg_id: str, *, timeout: float = 2.0,
-                      headers: dict[str, str] | None = None, retry_s: float = 20.0) -> PubAck:
+                      headers: dict[str, str] | None = None, retry_s: float = 20.0,
+                      on_retry: Callable[[], Awaitable[None]] | None = None) -> PubAck:
     """Publish a job exactly once: with `msg_id` as its Nats-Msg-Id, retried (same id) while the
     stream does not answer — a lost ack, a leader being elected — for up to `retry_s`; the stream's
-    duplicate window stores a retried copy once. Raises the last error after that."""
+    duplicate window stores a retried copy once. Raises the last error after that. `await on_retry()`
+    before each retry (a worker handing a request on tells the gateway it is still at it)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + retry_s
     headers = {**(headers or {}), "Nats-Msg-Id": msg_id}
@@ -148,6 +150,8 @@ async def publish_job(js: JetStreamContext, subject: str, payload: bytes, msg_id
             if loop.time() + timeout > deadline:
                 raise
             log.warning("publish of %s to %s failed (%s); retrying", msg_id, subject, type(exc).__name__)
+            if on_retry is not None:
+                await on_retry()
             await asyncio.sleep(0.2)
 
 

@@ -51,7 +51,10 @@ class ScriptedPeer:
 
     behavior: "normal" | "duplicate" (every event twice, plus overlapping ones) | "stall" (2 tokens,
     then silence) | "gap" (skips token 2) | "error" (error event after `error_at` tokens) |
-    "ignore_stop" (does not apply stop strings: the gateway alone must cut).
+    "ignore_stop" (does not apply stop strings: the gateway alone must cut) | "handoff" (token 1 from
+    the prefill worker, which says the request is queued for decode; `handoff_s` later the decode
+    worker takes it) | "late_handoff" (the decode worker's "taken" notice comes before the prefill
+    worker's "queued" one, then silence).
     """
 
     def __init__(self, nats_url: str, redis_url: str, tokenizer: Tokenizer, roles=("prefill", "decode")) -> None:
@@ -65,6 +68,8 @@ class ScriptedPeer:
         self._stopping = False
         self.paused = False  # True: take no jobs (they wait in their queues)
         self.token_delay = 0.004
+        self.handoff_s = 0.0
+        self.silent: set[str] = set()  # roles whose heartbeats stop (that pool is gone)
         self.answer_ids = tokenizer.encode(ANSWER, add_special_tokens=False)
         self.jobs: dict[str, tuple[str, PrefillJob]] = {}
         self.resets = 0
@@ -146,6 +151,8 @@ class ScriptedPeer:
 
     async def _heartbeat(self) -> None:
         for role in self.roles:
+            if role in self.silent:
+                continue
             stats = self.stats(role)
             await self.redis.set(subjects.registry_key(role, stats.instance), encode(stats), ex=5)
             await self.nc.publish(subjects.stats(role, stats.instance), encode(stats))
@@ -206,8 +213,20 @@ class ScriptedPeer:
                 return
             if self.behavior == "gap" and i == 2:
                 continue
-            event = TokenEvent(request_id=rid, index=i, token_ids=[token], worker="peer-decode")
+            handoff = i == 0 and self.behavior in ("handoff", "late_handoff")
+            event = TokenEvent(request_id=rid, index=i, token_ids=[token],
+                               worker="peer-prefill" if handoff else "peer-decode")
             await send(event)
+            if handoff:
+                queued = TokenEvent(request_id=rid, index=1, worker="peer-prefill", queued=True)
+                taken = TokenEvent(request_id=rid, index=1, worker="peer-decode")
+                if self.behavior == "late_handoff":
+                    await send(taken)
+                    await send(queued)
+                    return
+                await send(queued)
+                await asyncio.sleep(self.handoff_s)
+                await send(taken)
             if self.behavior == "duplicate":
                 await send(event)
                 if i > 0:
@@ -762,6 +781,35 @@ async def test_inactivity_timeout_ends_stream(make_gateway, peer):
         resp = await c.post("/v1/completions", json=COMPLETION)
         assert resp.status_code == 504 and resp.json()["error"]["code"] == "timeout"
         await peer.wait_cancel(list(peer.jobs)[-1])
+
+
+async def test_a_request_queued_for_decode_waits_the_queue_timeout_and_only_then(make_gateway, peer):
+    """Between prefill and decode a request waits in the decode queue as long as that pool is busy:
+    after the prefill worker's "queued" notice the gateway waits its queue timeout, not its inactivity
+    timeout. A decode worker's "taken" notice that overtakes the prefill worker's leaves the request
+    watched as before: silence after it times out at the inactivity timeout. So does a request queued
+    for decode once no decode worker heartbeats: no one will take it."""
+    gw = make_gateway(inactivity_timeout_s=0.5, queue_timeout_s=30, worker_alive_s=1.0)
+    async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+        await until(lambda: health_status(c), 200)
+        peer.behavior, peer.handoff_s = "handoff", 1.5
+        events = await stream_events(c, "/v1/chat/completions", CHAT)
+        assert not any("error" in e for e in events if isinstance(e, dict)), events
+        assert chat_text(events) == peer.tokenizer.decode(peer.answer_ids)
+
+        peer.behavior = "late_handoff"
+        start = time.monotonic()
+        events = await stream_events(c, "/v1/chat/completions", CHAT)
+        assert events[-2]["error"]["code"] == "timeout" and time.monotonic() - start < 5, events[-2:]
+
+        peer.behavior, peer.handoff_s = "handoff", 30
+        events_task = asyncio.create_task(stream_events(c, "/v1/chat/completions", CHAT))
+        await asyncio.sleep(0.5)  # the request is in the decode queue: then the decode pool goes
+        peer.silent.add("decode")
+        start = time.monotonic()
+        events = await events_task
+        assert events[-2]["error"]["code"] == "unavailable", events[-2:]
+        assert "none is alive" in events[-2]["error"]["message"] and time.monotonic() - start < 5
 
 
 async def test_a_job_no_worker_took_is_withdrawn_from_its_queue_when_the_request_ends(make_gateway, peer):

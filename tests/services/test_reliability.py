@@ -303,6 +303,60 @@ def test_a_prefill_longer_than_the_inactivity_timeout_completes_while_the_engine
         stack.stop()
 
 
+def stream_gaps(url: str, content: str, max_tokens: int) -> tuple[int, list[dict], float]:
+    """Stream one chat request; returns (completion tokens, error payloads, the longest wait between
+    two content chunks in seconds)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    tokens, errors, longest, last = 0, [], 0.0, None
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            errors += [chunk["error"]] if "error" in chunk else []
+            tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+            if any(c["delta"].get("content") for c in chunk.get("choices", [])):
+                now = time.monotonic()
+                longest = max(longest, now - last) if last is not None else 0.0
+                last = now
+    return tokens, errors, longest
+
+
+def test_a_request_waiting_for_a_busy_decode_pool_waits_instead_of_timing_out(tmp_path_factory):
+    """One decode worker with room for one sequence, and three long answers at once: after its first
+    token, each later request waits in the decode queue longer than the gateway's inactivity timeout
+    (3 s). Its prefill worker tells the gateway the request is queued, so the gateway waits its queue
+    timeout, as for a job no prefill worker has taken yet (it ended such a request with "no tokens
+    from the workers"); and the decode worker takes a job only with room for it, counting the one it
+    took a moment ago that its engine has not added yet (it took a second job at once, and that one
+    sat in its engine, silent). Every request completes."""
+    stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "1", "--worker-arg=--max-num-seqs=1",
+                    "--gateway-arg=--inactivity-timeout=3")
+    try:
+        for _ in range(3):  # the workers' first steps (cold, beside other tests) can be slower than 3 s
+            warm = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=60)
+            if warm.status_code == 200:
+                break
+        assert warm.status_code == 200, warm.text
+        results: dict[int, tuple] = {}
+        def one(i: int) -> None:
+            results[i] = stream_gaps(url, f"Tell me story {i}.", 400)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+            time.sleep(0.2)
+        join_all(threads, 300)
+        print(f"\n(completion tokens, errors, longest wait in s) per request: {results}")
+        assert all(tokens == 400 and errors == [] for tokens, errors, _ in results.values()), results
+        assert max(longest for _, _, longest in results.values()) > 3 + 1, results  # it did wait that long
+        wait_no_blocks_in_use(url, 30)
+    finally:
+        stack.stop()
+
+
 # -------------------------------------------------------------------------- infrastructure restarts
 
 

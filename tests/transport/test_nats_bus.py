@@ -64,6 +64,25 @@ async def test_a_job_published_again_with_its_id_is_stored_once(nats_server):
         await nc.close()
 
 
+async def test_a_job_publish_retries_while_no_stream_answers_calling_back_each_time(nats_server):
+    """No stream takes the subject (as while a stream's leader is elected): the publish is retried
+    until `retry_s`, and `on_retry` runs before each retry (the prefill worker's notice to the gateway
+    that it still holds the request), then the last error is raised."""
+    nc = await nats_bus.connect(nats_server.url, "test-retry")
+    calls = []
+
+    async def on_retry() -> None:
+        calls.append(asyncio.get_running_loop().time())
+
+    try:
+        with pytest.raises(nats_bus.UNANSWERED):
+            await nats_bus.publish_job(nc.jetstream(), "test.no.stream", b"job", "rid-2.0", timeout=0.2, retry_s=1.5,
+                                       on_retry=on_retry)
+        assert len(calls) >= 3, calls  # a retry every ~0.2 s (+ the no-responders answer)
+    finally:
+        await nc.close()
+
+
 async def test_a_worker_s_consumer_waits_for_jetstream_to_answer(tmp_path):
     """A worker binding its pull consumer while JetStream does not answer (here a server without it,
     replaced by one with it on the same port; in the 3-host test a cluster busy with four engines
