@@ -51,6 +51,11 @@ class StreamError(Exception):
         self.message = message
 
 
+# the roles whose workers take jobs from each queue (the shared one and the workers' own subjects in it)
+TAKERS = {subjects.PREFILL_JOBS: ("prefill", "colocated"), subjects.DECODE_DIRECT: ("decode",),
+          subjects.DECODE_JOBS: ("decode",)}
+
+
 class RequestChannel:
     """The TokenEvents of one request, deduplicated and in order, with bounded waits.
 
@@ -68,8 +73,8 @@ class RequestChannel:
     Timeouts: while a job waits in a queue — before a worker takes it, and between prefill and
     decode (the prefill worker's `queued` notice) — the request waits up to `queue_timeout_s`, so a
     busy pool makes it wait rather than fail; otherwise `inactivity_timeout_s` without an event
-    ends it. Queued for decode with no decode worker heartbeating (`live("decode")` false), nobody
-    will take it: the inactivity timeout applies again."""
+    ends it. Queued where no worker that takes from that queue heartbeats (`live(role)` false for
+    each of their roles), nobody will take it: the inactivity timeout applies again."""
 
     def __init__(self, nc: NATS, request_id: str, *, inactivity_timeout_s: float, deadline_s: float,
                  queue_timeout_s: float | None = None, resubmit=None, withdraw=None, silent_for=None, role_of=None,
@@ -93,7 +98,7 @@ class RequestChannel:
         # wait queue_timeout_s (while NATS is up) instead of the inactivity timeout
         self._queue_timeout_s = max(inactivity_timeout_s, queue_timeout_s or 0.0)
         self._queued = True
-        self._queued_for = ""  # the pool whose queue holds the job, where known ("decode" after a handoff)
+        self._queued_for: tuple[str, ...] = ()  # the roles whose workers take the job from its queue
         self._deadline = time.monotonic() + deadline_s
         self._deadline_s = deadline_s
         self._finished = False  # a final event arrived: the workers are done with the request
@@ -178,7 +183,7 @@ class RequestChannel:
             if event.queued and not self._decode_side(self._worker):
                 # handed to the decode pool's queue, where it waits for a worker with room: JetStream
                 # holds the job, not the prefill worker (a decode worker's notice may come first)
-                self._queued, self._queued_for, self._worker = True, "decode", ""
+                self._queued, self._queued_for, self._worker = True, TAKERS[subjects.DECODE_JOBS], ""
             if not event.token_ids and not event.finished:
                 continue  # a "taken" or "queued" notice, or a duplicate: nothing to stream
             if event.index > self._seen:  # events were lost (e.g. NATS restarted): resume after what we have
@@ -197,6 +202,10 @@ class RequestChannel:
                 self.progressed.set()
             yield event
 
+    def waits_in(self, subject: str) -> None:
+        """The current attempt's job was published on `subject` (a shared queue, or a worker's own)."""
+        self._queued_for = next(roles for base, roles in TAKERS.items() if subject.startswith(base))
+
     def _decode_side(self, worker: str) -> bool:
         return bool(worker) and self._role_of is not None and self._role_of(worker) in ("decode", "colocated")
 
@@ -208,7 +217,8 @@ class RequestChannel:
                 raise StreamError(ErrorCode.TIMEOUT, f"request exceeded its {self._deadline_s:g} s deadline")
             idle = now - self._last_event
             connected = self._nc.is_connected
-            orphaned = self._queued and self._queued_for and self._live is not None and not self._live(self._queued_for)
+            orphaned = (self._queued and self._queued_for and self._live is not None
+                        and not any(self._live(role) for role in self._queued_for))
             limit = self._queue_timeout_s if self._queued and connected and not orphaned else self._inactivity_timeout_s
             if idle >= limit:
                 if not connected:  # say why: the bus is down, not the workers slow
@@ -216,7 +226,7 @@ class RequestChannel:
                                       f"{self._inactivity_timeout_s:g} s: the gateway lost its connection to NATS")
                 if orphaned:
                     raise StreamError(ErrorCode.UNAVAILABLE, f"no tokens from the workers for {limit:g} s: the "
-                                      f"request waits for a {self._queued_for} worker and none is alive")
+                                      f"request waits for a {' or '.join(self._queued_for)} worker and none is alive")
                 if self._queued:
                     raise StreamError(ErrorCode.TIMEOUT, f"no worker took the request within {limit:g} s")
                 raise StreamError(ErrorCode.TIMEOUT, f"no tokens from the workers for {self._inactivity_timeout_s:g} s")
@@ -249,7 +259,7 @@ class RequestChannel:
         if self._withdraw is not None:
             await self._withdraw()
         self.migrations += 1
-        self._worker, self._queued_for = "", ""
+        self._worker, self._queued_for = "", ()
         self._queued = True  # the resubmitted job waits in the queue again
         log.warning("request %s: %s after %d tokens; resubmitting (migration %d)",
                     self.request_id, why, self._seen, self.migrations)
@@ -350,6 +360,7 @@ class Dispatcher:
             ack = await nats_bus.publish_job(self._js, subject, encode(message), f"{message.request_id}.{message.attempt}",
                                              timeout=cfg.publish_timeout_s, headers=headers)
             queued[:] = [(ack.stream, ack.seq)]
+            channel.waits_in(subject)  # (defined below, before any publish)
 
         async def resubmit(resume_ids: list[int], attempt: int) -> None:
             again = msgspec.structs.replace(job, resume_ids=resume_ids, attempt=attempt, created_at=time.time())

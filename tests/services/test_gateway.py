@@ -829,6 +829,26 @@ async def test_a_job_no_worker_took_is_withdrawn_from_its_queue_when_the_request
         assert len(peer.jobs) == 1  # the second request's; the first one's never reached a worker
 
 
+async def test_a_queued_request_whose_pool_is_gone_ends_at_the_inactivity_timeout(make_gateway, peer):
+    """A job waits in its queue up to the queue timeout while a worker that could take it is alive;
+    when no prefill (or colocated) worker heartbeats any more, nobody will: the request ends at the
+    inactivity timeout, 503, saying so — and the job leaves its queue with it."""
+    gw = make_gateway(inactivity_timeout_s=0.5, queue_timeout_s=30, worker_alive_s=1.0)
+    async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+        await until(lambda: health_status(c), 200)
+        peer.paused = True
+        await asyncio.sleep(1.0)  # the pull requests already out expire (0.5 s)
+        request = asyncio.create_task(c.post("/v1/completions", json=COMPLETION))
+        await asyncio.sleep(0.5)
+        peer.silent.update(("prefill", "decode"))
+        start = time.monotonic()
+        resp = await request
+        assert resp.status_code == 503 and "prefill or colocated worker and none is alive" in resp.text, resp.text
+        assert time.monotonic() - start < 5
+        info = await peer.js.stream_info(subjects.PREFILL_STREAM)
+        assert info.state.messages == 0
+
+
 async def test_priced_gateway_reports_cost_in_usage_and_counters(make_gateway, peer):
     """--price: each response's usage.cost in money, and /metrics' counters sum the requests' values."""
     gw = make_gateway(price=PRICE)
