@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("dev", "production")
 KUBE_VERSION = "1.30"  # the oldest Kubernetes the manifests are written for
-# on PATH, or the one `make tools` installs into the virtualenv (scripts/get_kubectl.py)
-KUBECTL = shutil.which("kubectl") or shutil.which("kubectl", path=str(Path(sys.executable).parent))
+# the one `make tools` installs into the virtualenv (scripts/get_kubectl.py: v1.33.9), else one on PATH
+KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
 SERVICES = ("gateway", "prefill", "decode", "kvstore")  # the pdserve image's entry points
 WORKERS = ("prefill", "decode")
 ENTRYPOINT = "/etc/pdserve/entrypoint.sh"
