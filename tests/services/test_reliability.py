@@ -303,12 +303,12 @@ def test_a_prefill_longer_than_the_inactivity_timeout_completes_while_the_engine
         stack.stop()
 
 
-def stream_gaps(url: str, content: str, max_tokens: int) -> tuple[int, list[dict], float]:
-    """Stream one chat request; returns (completion tokens, error payloads, the longest wait between
-    two content chunks in seconds)."""
+def stream_gaps(url: str, content: str, max_tokens: int) -> tuple[dict, list[dict], float]:
+    """Stream one chat request; returns (its usage, error payloads, the longest wait between two
+    content chunks in seconds)."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
-    tokens, errors, longest, last = 0, [], 0.0, None
+    usage, errors, longest, last = {}, [], 0.0, None
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
@@ -316,12 +316,12 @@ def stream_gaps(url: str, content: str, max_tokens: int) -> tuple[int, list[dict
                 continue
             chunk = json.loads(line[6:])
             errors += [chunk["error"]] if "error" in chunk else []
-            tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+            usage = chunk.get("usage") or usage
             if any(c["delta"].get("content") for c in chunk.get("choices", [])):
                 now = time.monotonic()
                 longest = max(longest, now - last) if last is not None else 0.0
                 last = now
-    return tokens, errors, longest
+    return usage, errors, longest
 
 
 def test_a_request_waiting_for_a_busy_decode_pool_waits_instead_of_timing_out(tmp_path_factory):
@@ -349,8 +349,10 @@ def test_a_request_waiting_for_a_busy_decode_pool_waits_instead_of_timing_out(tm
             t.start()
             time.sleep(0.2)
         join_all(threads, 300)
-        print(f"\n(completion tokens, errors, longest wait in s) per request: {results}")
-        assert all(tokens == 400 and errors == [] for tokens, errors, _ in results.values()), results
+        print(f"\n(usage, errors, longest wait in s) per request: {results}")
+        assert all(errors == [] and usage["completion_tokens"] == 400 for usage, errors, _ in results.values()), results
+        # the later requests' waits in the decode queue, as the decode worker timed them
+        assert max(usage["timing_ms"]["decode_queue"] for usage, _, _ in results.values()) > 3000, results
         assert max(longest for _, _, longest in results.values()) > 3 + 1, results  # it did wait that long
         wait_no_blocks_in_use(url, 30)
     finally:
