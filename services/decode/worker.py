@@ -22,7 +22,7 @@ from shared.protocol.messages import DecodeJob, ErrorCode, PrefillJob, Timing
 from shared.telemetry import tracing
 from shared.transport import nats_bus
 from shared.transport.kv_client import KVStoreClient, KVStoreError
-from shared.transport.worker import WorkerRuntime, attach_kvstore
+from shared.transport.worker import WorkerRuntime, attach_kvstore, keep_in_progress
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,7 @@ class DecodeWorker(WorkerRuntime):
         super().__init__(config, engine)
         self.kv: KVStoreClient | None = None
         self._stores: dict[str, KVStoreClient] = {}  # other hosts' kvstores (network path)
+        self._waiting_for_blocks = False  # a taken job waits for room in the engine's KV cache
 
     async def run(self) -> None:
         await self.start()
@@ -59,6 +60,8 @@ class DecodeWorker(WorkerRuntime):
     def _room(self) -> int:
         """Requests this worker would take now: free slots, and enough free blocks for a long prompt."""
         e = self.engine
+        if self._waiting_for_blocks:
+            return 0
         slots = e.config.max_num_seqs - self.async_engine.num_requests
         reserve = max(8, e.config.num_kv_blocks // 8)  # headroom for the running sequences to grow
         return max(0, min(slots, 4)) if e.pool.num_free_blocks > reserve else 0
@@ -106,6 +109,11 @@ class DecodeWorker(WorkerRuntime):
         blocks = await self._read_blocks(job, timing)
         if job.blocks:
             tracing.span_at("kv.read", span, t_read, time.time(), **{"pdserve.kv_bytes": timing.kv_bytes_read})
+        if blocks is not None and not await self._wait_for_blocks(msg, job, index):
+            self.done(rid, job.attempt)  # cancelled while it waited
+            tracing.end_error(span, "cancelled while waiting for KV cache room")
+            await msg.ack()
+            return
         if blocks is None and self.config.kv_failure_policy == "fail":
             await self.publish_error(rid, index, ErrorCode.KV_TRANSFER_FAILED,
                                      f"KV blocks of request {rid} could not be read from kvstore {job.store}")
@@ -123,6 +131,30 @@ class DecodeWorker(WorkerRuntime):
         await msg.ack()
         asyncio.create_task(self._stream(stream, job.attempt, job.num_prompt_tokens, job.num_cached_tokens, timing,
                                          span))
+
+    async def _wait_for_blocks(self, msg, job: DecodeJob, index: int) -> bool:
+        """Wait until the engine's KV cache has room for the job's prompt and first token while the
+        requests it runs free theirs (a job taken while a long one filled the cache failed with "no
+        room for N KV blocks"). Meanwhile this worker takes no other job, JetStream hears the job is
+        alive, and the gateway that the request is queued here. False if it was cancelled meanwhile."""
+        need = -(-(len(job.token_ids) + 1) // self.engine.config.block_size)
+        engine, keep_alive = self.async_engine, None
+        try:
+            while engine.num_requests and (engine.num_adding or self.engine.pool.num_free_blocks < need):
+                if self.cancelled.covers(job.request_id, job.attempt):
+                    return False
+                if keep_alive is None:
+                    log.info("request %s waits for %d KV blocks (%d free)", job.request_id, need,
+                             self.engine.pool.num_free_blocks)
+                    self._waiting_for_blocks = True
+                    keep_alive = asyncio.create_task(keep_in_progress(msg, self.config.ack_wait_s))
+                    await self.publish_tokens(job.request_id, index, [], queued=True)
+                await asyncio.sleep(0.02)
+            return True
+        finally:
+            self._waiting_for_blocks = False
+            if keep_alive is not None:
+                keep_alive.cancel()
 
     def _job_span(self, name: str, msg, rid: str, attempt: int, created_at: float, taken: float) -> tracing.Span:
         """This worker's span of a job, in the trace the job's headers carry, from its publication

@@ -147,6 +147,11 @@ class AsyncEngine:
         return stream
 
     @property
+    def num_adding(self) -> int:
+        """Requests submitted whose add runs at the next step (their KV blocks are not taken yet)."""
+        return self._adding
+
+    @property
     def num_requests(self) -> int:
         """The requests this engine holds, counting those submitted since its last step (a worker
         deciding whether it has room for another job must see the one it just took)."""

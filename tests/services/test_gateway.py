@@ -54,7 +54,8 @@ class ScriptedPeer:
     "ignore_stop" (does not apply stop strings: the gateway alone must cut) | "handoff" (token 1 from
     the prefill worker, which says the request is queued for decode; `handoff_s` later the decode
     worker takes it) | "late_handoff" (the decode worker's "taken" notice comes before the prefill
-    worker's "queued" one, then silence).
+    worker's "queued" one, then silence) | "decode_waits" (the decode worker takes it at once, says
+    it is queued there — waiting for room in its KV cache — and goes on `handoff_s` later).
     """
 
     def __init__(self, nats_url: str, redis_url: str, tokenizer: Tokenizer, roles=("prefill", "decode")) -> None:
@@ -213,7 +214,7 @@ class ScriptedPeer:
                 return
             if self.behavior == "gap" and i == 2:
                 continue
-            handoff = i == 0 and self.behavior in ("handoff", "late_handoff")
+            handoff = i == 0 and self.behavior in ("handoff", "late_handoff", "decode_waits")
             event = TokenEvent(request_id=rid, index=i, token_ids=[token],
                                worker="peer-prefill" if handoff else "peer-decode")
             await send(event)
@@ -224,6 +225,12 @@ class ScriptedPeer:
                     await send(taken)
                     await send(queued)
                     return
+                if self.behavior == "decode_waits":
+                    await send(queued)
+                    await send(taken)
+                    await send(TokenEvent(request_id=rid, index=1, worker="peer-decode", queued=True))
+                    await asyncio.sleep(self.handoff_s)
+                    continue
                 await send(queued)
                 await asyncio.sleep(self.handoff_s)
                 await send(taken)
@@ -787,12 +794,18 @@ async def test_a_request_queued_for_decode_waits_the_queue_timeout_and_only_then
     """Between prefill and decode a request waits in the decode queue as long as that pool is busy:
     after the prefill worker's "queued" notice the gateway waits its queue timeout, not its inactivity
     timeout. A decode worker's "taken" notice that overtakes the prefill worker's leaves the request
-    watched as before: silence after it times out at the inactivity timeout. So does a request queued
+    watched as before: silence after it times out at the inactivity timeout. A decode worker holding
+    the request may say it is queued there (waiting for room in its KV cache). A request queued
     for decode once no decode worker heartbeats: no one will take it."""
     gw = make_gateway(inactivity_timeout_s=0.5, queue_timeout_s=30, worker_alive_s=1.0)
     async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
         await until(lambda: health_status(c), 200)
         peer.behavior, peer.handoff_s = "handoff", 1.5
+        events = await stream_events(c, "/v1/chat/completions", CHAT)
+        assert not any("error" in e for e in events if isinstance(e, dict)), events
+        assert chat_text(events) == peer.tokenizer.decode(peer.answer_ids)
+
+        peer.behavior = "decode_waits"  # the decode worker holding it waits for room: still queued
         events = await stream_events(c, "/v1/chat/completions", CHAT)
         assert not any("error" in e for e in events if isinstance(e, dict)), events
         assert chat_text(events) == peer.tokenizer.decode(peer.answer_ids)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import threading
 import time
 
@@ -303,12 +304,13 @@ def test_a_prefill_longer_than_the_inactivity_timeout_completes_while_the_engine
         stack.stop()
 
 
-def stream_gaps(url: str, content: str, max_tokens: int) -> tuple[dict, list[dict], float]:
+def stream_gaps(url: str, content: str, max_tokens: int, streaming: threading.Event | None = None
+                ) -> tuple[dict, list[dict], float]:
     """Stream one chat request; returns (its usage, error payloads, the longest wait between two
-    content chunks in seconds)."""
+    content chunks in seconds). Sets `streaming` after the tenth content chunk."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
-    usage, errors, longest, last = {}, [], 0.0, None
+    usage, errors, longest, last, chunks = {}, [], 0.0, None, 0
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
@@ -320,7 +322,9 @@ def stream_gaps(url: str, content: str, max_tokens: int) -> tuple[dict, list[dic
             if any(c["delta"].get("content") for c in chunk.get("choices", [])):
                 now = time.monotonic()
                 longest = max(longest, now - last) if last is not None else 0.0
-                last = now
+                last, chunks = now, chunks + 1
+                if streaming is not None and chunks == 10:
+                    streaming.set()
     return usage, errors, longest
 
 
@@ -354,6 +358,35 @@ def test_a_request_waiting_for_a_busy_decode_pool_waits_instead_of_timing_out(tm
         # the later requests' waits in the decode queue, as the decode worker timed them
         assert max(usage["timing_ms"]["decode_queue"] for usage, _, _ in results.values()) > 3000, results
         assert max(longest for _, _, longest in results.values()) > 3 + 1, results  # it did wait that long
+        wait_no_blocks_in_use(url, 30)
+    finally:
+        stack.stop()
+
+
+def test_a_decode_job_whose_prompt_does_not_fit_yet_waits_for_room(tmp_path_factory):
+    """A decode worker with a 64-block KV cache is decoding a 650-token document (41 blocks, growing
+    to 57) when a 500-token one (32 blocks) is handed to it: it reads its blocks, waits for the first
+    one's to be freed (taking no other job, telling the gateway the request is queued there), then
+    decodes it. It used to fail it at once: "no room for 32 KV blocks" (503)."""
+    stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "1", "--worker-arg=--num-kv-blocks=64")
+    try:
+        def doc(i: int, lines: int) -> str:
+            return f"Document {i}. " + " ".join(f"Line {k}: the fox {i} jumps over dog {k * i}." for k in range(lines))
+
+        results: dict[str, tuple] = {}
+        streaming = threading.Event()
+        first = threading.Thread(target=lambda: results.__setitem__("first", stream_gaps(url, doc(1, 40), 250,
+                                                                                           streaming)))
+        first.start()
+        assert streaming.wait(120), results
+        results["second"] = stream_gaps(url, doc(2, 30), 20)
+        join_all([first], 120)
+        print(f"\n(usage, errors, longest wait in s): {results}")
+        (first_usage, first_errors, _), (second_usage, second_errors, _) = results["first"], results["second"]
+        assert first_errors == [] and second_errors == [], results
+        assert first_usage["completion_tokens"] == 250 and second_usage["completion_tokens"] == 20, results
+        log = (stack.workdir / "decode-0.log").read_text()
+        assert re.search(r"waits for 3\d KV blocks \(\d+ free\)", log), log[-2000:]
         wait_no_blocks_in_use(url, 30)
     finally:
         stack.stop()
