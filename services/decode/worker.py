@@ -80,11 +80,20 @@ class DecodeWorker(WorkerRuntime):
                 log.warning("fetch failed: %s", exc)
                 await asyncio.sleep(0.5)
                 continue
-            for msg in msgs:  # one at a time: each takes blocks the next one's room check must see
-                try:
-                    await take(msg)
-                except Exception:
-                    await self.job_failed(msg, DecodeJob if take == self._take_decode else PrefillJob)
+            # one at a time: each takes blocks the next one's room check must see. The later ones are
+            # kept in progress meanwhile: one may wait long for room (_wait_for_blocks), and a job
+            # JetStream redelivered elsewhere after its ack wait would then run twice
+            waiting = [asyncio.create_task(keep_in_progress(msg, self.config.ack_wait_s)) for msg in msgs]
+            try:
+                for msg, keep_alive in zip(msgs, waiting):
+                    keep_alive.cancel()
+                    try:
+                        await take(msg)
+                    except Exception:
+                        await self.job_failed(msg, DecodeJob if take == self._take_decode else PrefillJob)
+            finally:
+                for keep_alive in waiting:
+                    keep_alive.cancel()
 
     # ------------------------------------------------------------------------------- DecodeJob
 
