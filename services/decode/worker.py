@@ -80,19 +80,20 @@ class DecodeWorker(WorkerRuntime):
                 log.warning("fetch failed: %s", exc)
                 await asyncio.sleep(0.5)
                 continue
-            # one at a time: each takes blocks the next one's room check must see. The later ones are
-            # kept in progress meanwhile: one may wait long for room (_wait_for_blocks), and a job
-            # JetStream redelivered elsewhere after its ack wait would then run twice
-            waiting = [asyncio.create_task(keep_in_progress(msg, self.config.ack_wait_s)) for msg in msgs]
+            # one at a time: each takes blocks the next one's room check must see. Each is kept in
+            # progress until taken: one may wait long for room (_wait_for_blocks), and a job JetStream
+            # redelivered elsewhere after its ack wait would then run twice
+            alive = [asyncio.create_task(keep_in_progress(msg, self.config.ack_wait_s)) for msg in msgs]
             try:
-                for msg, keep_alive in zip(msgs, waiting):
-                    keep_alive.cancel()
+                for msg, keep_alive in zip(msgs, alive):
                     try:
                         await take(msg)
                     except Exception:
                         await self.job_failed(msg, DecodeJob if take == self._take_decode else PrefillJob)
+                    finally:
+                        keep_alive.cancel()
             finally:
-                for keep_alive in waiting:
+                for keep_alive in alive:
                     keep_alive.cancel()
 
     # ------------------------------------------------------------------------------- DecodeJob
@@ -118,7 +119,7 @@ class DecodeWorker(WorkerRuntime):
         blocks = await self._read_blocks(job, timing)
         if job.blocks:
             tracing.span_at("kv.read", span, t_read, time.time(), **{"pdserve.kv_bytes": timing.kv_bytes_read})
-        if blocks is not None and not await self._wait_for_blocks(msg, job, index):
+        if blocks is not None and not await self._wait_for_blocks(job, index):
             self.done(rid, job.attempt)  # cancelled while it waited
             tracing.end_error(span, "cancelled while waiting for KV cache room")
             await msg.ack()
@@ -141,29 +142,26 @@ class DecodeWorker(WorkerRuntime):
         asyncio.create_task(self._stream(stream, job.attempt, job.num_prompt_tokens, job.num_cached_tokens, timing,
                                          span))
 
-    async def _wait_for_blocks(self, msg, job: DecodeJob, index: int) -> bool:
+    async def _wait_for_blocks(self, job: DecodeJob, index: int) -> bool:
         """Wait until the engine's KV cache has room for the job's prompt and first token while the
         requests it runs free theirs (a job taken while a long one filled the cache failed with "no
         room for N KV blocks"). Meanwhile this worker takes no other job, JetStream hears the job is
-        alive, and the gateway that the request is queued here. False if it was cancelled meanwhile."""
+        alive (`_pull` keeps it in progress), and the gateway that the request is queued here. False if
+        it was cancelled meanwhile."""
         need = -(-(len(job.token_ids) + 1) // self.engine.config.block_size)
-        engine, keep_alive = self.async_engine, None
+        running, pool = self.async_engine, self.engine.pool
         try:
-            while engine.num_requests and (engine.num_adding or self.engine.pool.num_free_blocks < need):
+            while running.num_requests and (running.num_adding or pool.num_free_blocks < need):
                 if self.cancelled.covers(job.request_id, job.attempt):
                     return False
-                if keep_alive is None:
-                    log.info("request %s waits for %d KV blocks (%d free)", job.request_id, need,
-                             self.engine.pool.num_free_blocks)
+                if not self._waiting_for_blocks:
+                    log.info("request %s waits for %d KV blocks (%d free)", job.request_id, need, pool.num_free_blocks)
                     self._waiting_for_blocks = True
-                    keep_alive = asyncio.create_task(keep_in_progress(msg, self.config.ack_wait_s))
                     await self.publish_tokens(job.request_id, index, [], queued=True)
                 await asyncio.sleep(0.02)
             return True
         finally:
             self._waiting_for_blocks = False
-            if keep_alive is not None:
-                keep_alive.cancel()
 
     def _job_span(self, name: str, msg, rid: str, attempt: int, created_at: float, taken: float) -> tracing.Span:
         """This worker's span of a job, in the trace the job's headers carry, from its publication

@@ -180,13 +180,14 @@ class RequestChannel:
                 continue  # from an attempt given up on (a hung worker that woke up)
             if self._decode_side(event.worker):
                 self._worker = event.worker  # a decode-side worker holds the request now: watch it
-            if event.queued and not self._decode_side(self._worker):
-                # handed to the decode pool's queue, where it waits for a worker with room: JetStream
-                # holds the job, not the prefill worker (a decode worker's notice may come first)
-                self._queued, self._queued_for, self._worker = True, TAKERS[subjects.DECODE_JOBS], ""
-            elif event.queued and event.worker == self._worker:
-                # the decode worker holding it waits for room in its KV cache (still watched)
-                self._queued, self._queued_for = True, TAKERS[subjects.DECODE_JOBS]
+            if event.queued:
+                if not self._decode_side(self._worker):
+                    # handed to the decode pool's queue, where it waits for a worker with room: JetStream
+                    # holds the job, not the prefill worker (a decode worker's notice may come first)
+                    self._queued, self._queued_for, self._worker = True, TAKERS[subjects.DECODE_JOBS], ""
+                elif event.worker == self._worker:
+                    # the decode worker holding it waits for room in its KV cache (still watched)
+                    self._queued, self._queued_for = True, TAKERS[subjects.DECODE_JOBS]
             if not event.token_ids and not event.finished:
                 continue  # a "taken" or "queued" notice, or a duplicate: nothing to stream
             if event.index > self._seen:  # events were lost (e.g. NATS restarted): resume after what we have
