@@ -1,5 +1,6 @@
-"""The decode worker: pull a DecodeJob only when there is a free slot and room for its blocks →
-copy the blocks from the kvstore (shared memory on this host) → release the lease → join the
+"""The decode worker: pull a DecodeJob only when there is a free slot and room for its blocks (one
+that does not fit beside the running requests goes back to the queue once, for a worker with room)
+→ copy the blocks from the kvstore (shared memory on this host) → release the lease → join the
 running batch → publish every step's tokens → the final event with usage and timing.
 
 The same worker also runs whole requests (role `colocated`: PrefillJobs from the prefill queue;
@@ -10,7 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
+
+import msgspec
 
 from shared.config import WorkerConfig
 from shared.engine.async_engine import RequestStream
@@ -18,13 +22,15 @@ from shared.engine.engine import LLMEngine
 from shared.engine.sequence import FinishReason
 from shared.protocol import subjects
 from shared.protocol.convert import to_params
-from shared.protocol.messages import DecodeJob, ErrorCode, PrefillJob, Timing
+from shared.protocol.messages import DecodeJob, ErrorCode, PrefillJob, Timing, encode
 from shared.telemetry import tracing
 from shared.transport import nats_bus
 from shared.transport.kv_client import KVStoreClient, KVStoreError
 from shared.transport.worker import WorkerRuntime, attach_kvstore, keep_in_progress
 
 log = logging.getLogger(__name__)
+
+HAND_BACK_PAUSE_S = 0.2  # after handing a job back, a worker lets the others pull first
 
 
 class DecodeWorker(WorkerRuntime):
@@ -33,6 +39,7 @@ class DecodeWorker(WorkerRuntime):
         self.kv: KVStoreClient | None = None
         self._stores: dict[str, KVStoreClient] = {}  # other hosts' kvstores (network path)
         self._waiting_for_blocks = False  # a taken job waits for room in the engine's KV cache
+        self._handed_back_at = -math.inf  # when this worker last put a job it had no room for back
 
     async def run(self) -> None:
         await self.start()
@@ -57,43 +64,40 @@ class DecodeWorker(WorkerRuntime):
         self.ready()
         await asyncio.gather(*(self._pull(sub, take) for sub, take in consumers))
 
-    def _room(self) -> int:
-        """Requests this worker would take now: free slots, and enough free blocks for a long prompt."""
+    def _has_room(self) -> bool:
+        """A free slot, and free blocks beyond a reserve for the running sequences to grow (a job's own
+        size is known only once it is pulled: `_hand_back`)."""
         e = self.engine
-        if self._waiting_for_blocks:
-            return 0
-        slots = e.config.max_num_seqs - self.async_engine.num_requests
-        reserve = max(8, e.config.num_kv_blocks // 8)  # headroom for the running sequences to grow
-        return max(0, min(slots, 4)) if e.pool.num_free_blocks > reserve else 0
+        if self._waiting_for_blocks or time.monotonic() - self._handed_back_at < HAND_BACK_PAUSE_S:
+            return False
+        reserve = max(8, e.config.num_kv_blocks // 8)
+        return self.async_engine.num_requests < e.config.max_num_seqs and e.pool.num_free_blocks > reserve
 
     async def _pull(self, sub, take) -> None:
         while not self.stop.is_set():
-            room = self._room()
-            if room == 0:
+            if not self._has_room():
                 await asyncio.sleep(0.02)
                 continue
             try:
-                msgs = await sub.fetch(room, timeout=0.5)
+                # one job a pull: each takes its blocks before the next one's room check, and a pull of
+                # several stays open at the server after its first job and catches the next one
+                # published (a job this worker had just handed back came straight back to it)
+                msgs = await sub.fetch(1, timeout=0.5)
             except (asyncio.TimeoutError, TimeoutError):
                 continue
             except Exception as exc:
                 log.warning("fetch failed: %s", exc)
                 await asyncio.sleep(0.5)
                 continue
-            # one at a time: each takes blocks the next one's room check must see. Each is kept in
-            # progress until taken: one may wait long for room (_wait_for_blocks), and a job JetStream
-            # redelivered elsewhere after its ack wait would then run twice
-            alive = [asyncio.create_task(keep_in_progress(msg, self.config.ack_wait_s)) for msg in msgs]
-            try:
-                for msg, keep_alive in zip(msgs, alive):
-                    try:
-                        await take(msg)
-                    except Exception:
-                        await self.job_failed(msg, DecodeJob if take == self._take_decode else PrefillJob)
-                    finally:
-                        keep_alive.cancel()
-            finally:
-                for keep_alive in alive:
+            for msg in msgs:
+                # kept in progress until taken: it may wait long for room (_wait_for_blocks), and a job
+                # JetStream redelivered elsewhere after its ack wait would then run twice
+                keep_alive = asyncio.create_task(keep_in_progress(msg, self.config.ack_wait_s))
+                try:
+                    await take(msg)
+                except Exception:
+                    await self.job_failed(msg, DecodeJob if take == self._take_decode else PrefillJob)
+                finally:
                     keep_alive.cancel()
 
     # ------------------------------------------------------------------------------- DecodeJob
@@ -101,6 +105,8 @@ class DecodeWorker(WorkerRuntime):
     async def _take_decode(self, msg) -> None:
         job = await self.accept(msg, DecodeJob, on_skip=self._release)
         if job is None:
+            return
+        if await self._hand_back(msg, job):
             return
         taken = time.time()
         rid = job.request_id
@@ -142,13 +148,43 @@ class DecodeWorker(WorkerRuntime):
         asyncio.create_task(self._stream(stream, job.attempt, job.num_prompt_tokens, job.num_cached_tokens, timing,
                                          span))
 
+    def _blocks_needed(self, job: DecodeJob) -> int:
+        return -(-(len(job.token_ids) + 1) // self.engine.config.block_size)  # the prompt and its first token
+
+    async def _hand_back(self, msg, job: DecodeJob) -> bool:
+        """A job whose blocks do not fit while this worker's requests hold its KV cache goes back to
+        the decode queue, once per worker, for one with room to take (the pull cannot see a job's
+        size before taking it). The blocks stay in the store, unread; the gateway still sees the
+        request queued. This worker takes nothing for HAND_BACK_PAUSE_S, so a worker already
+        waiting to pull gets it first; a job that comes back to a worker that handed it back waits
+        there (`_wait_for_blocks`). True if it was handed back."""
+        need, free = self._blocks_needed(job), self.engine.pool.num_free_blocks
+        me = self.config.instance
+        if not self.async_engine.num_requests or free >= need or me in job.handed_back:
+            return False
+        again = msgspec.structs.replace(job, handed_back=[*job.handed_back, me])
+        headers = {k: v for k, v in (msg.headers or {}).items() if k != "Nats-Msg-Id"}  # its trace
+        try:
+            await nats_bus.publish_job(self.js, subjects.DECODE_JOBS, encode(again),
+                                       f"{job.request_id}.{job.attempt}.decode.{len(again.handed_back)}",
+                                       headers=headers, retry_s=2.0)
+        except Exception as exc:  # the queue does not answer: wait for room here instead
+            log.warning("request %s could not be handed back (%s); it waits here", job.request_id, exc)
+            return False
+        self._handed_back_at = time.monotonic()
+        self.done(job.request_id, job.attempt)
+        await msg.ack()
+        log.info("request %s needs %d KV blocks (%d free): handed back to the decode queue", job.request_id,
+                 need, free)
+        return True
+
     async def _wait_for_blocks(self, job: DecodeJob, index: int) -> bool:
         """Wait until the engine's KV cache has room for the job's prompt and first token while the
         requests it runs free theirs (a job taken while a long one filled the cache failed with "no
         room for N KV blocks"). Meanwhile this worker takes no other job, JetStream hears the job is
         alive (`_pull` keeps it in progress), and the gateway that the request is queued here. False if
         it was cancelled meanwhile."""
-        need = -(-(len(job.token_ids) + 1) // self.engine.config.block_size)
+        need = self._blocks_needed(job)
         running, pool = self.async_engine, self.engine.pool
         try:
             while running.num_requests and (running.num_adding or pool.num_free_blocks < need):

@@ -126,6 +126,9 @@ class DecodeJob(Msg, kw_only=True):
     deadline: float = 0.0
     attempt: int = 0
     timing: Timing = msgspec.field(default_factory=Timing)
+    # decode workers that had no room for its blocks and put it back in the queue for one that has
+    # (each does so once: a worker it comes back to waits for room with it)
+    handed_back: list[str] = []
 
 
 class Usage(msgspec.Struct, kw_only=True):

@@ -363,16 +363,18 @@ def test_a_request_waiting_for_a_busy_decode_pool_waits_instead_of_timing_out(tm
         stack.stop()
 
 
+def doc(i: int, lines: int) -> str:
+    return f"Document {i}. " + " ".join(f"Line {k}: the fox {i} jumps over dog {k * i}." for k in range(lines))
+
+
 def test_a_decode_job_whose_prompt_does_not_fit_yet_waits_for_room(tmp_path_factory):
     """A decode worker with a 64-block KV cache is decoding a 650-token document (41 blocks, growing
-    to 57) when a 500-token one (32 blocks) is handed to it: it reads its blocks, waits for the first
-    one's to be freed (taking no other job, telling the gateway the request is queued there), then
+    to 57) when a 500-token one (32 blocks) is handed to it. It puts the job back in the decode
+    queue for a worker with room; none has, it gets the job back, and now waits for the first one's
+    blocks to be freed (taking no other job, telling the gateway the request is queued there), then
     decodes it. It used to fail it at once: "no room for 32 KV blocks" (503)."""
     stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "1", "--worker-arg=--num-kv-blocks=64")
     try:
-        def doc(i: int, lines: int) -> str:
-            return f"Document {i}. " + " ".join(f"Line {k}: the fox {i} jumps over dog {k * i}." for k in range(lines))
-
         results: dict[str, tuple] = {}
         streaming = threading.Event()
         first = threading.Thread(target=lambda: results.__setitem__("first", stream_gaps(url, doc(1, 40), 250,
@@ -386,7 +388,52 @@ def test_a_decode_job_whose_prompt_does_not_fit_yet_waits_for_room(tmp_path_fact
         assert first_errors == [] and second_errors == [], results
         assert first_usage["completion_tokens"] == 250 and second_usage["completion_tokens"] == 20, results
         log = (stack.workdir / "decode-0.log").read_text()
-        assert re.search(r"waits for 3\d KV blocks \(\d+ free\)", log), log[-2000:]
+        handed = re.search(r"request (\S+) needs 3\d KV blocks \(\d+ free\): handed back", log)
+        assert handed, log[-2000:]
+        assert re.search(rf"request {handed[1]} waits for 3\d KV blocks \(\d+ free\)", log), log[-2000:]
+        wait_no_blocks_in_use(url, 30)
+    finally:
+        stack.stop()
+
+
+def test_a_decode_job_that_does_not_fit_beside_a_running_request_goes_to_a_worker_with_room(tmp_path_factory):
+    """Two decode workers with a 48-block KV cache each. One decodes a long answer to a short prompt
+    (its blocks grow to ~43); meanwhile 650-token documents (41 blocks each) arrive one after the
+    other. The busy worker has no room for one; the idle worker has. A worker that pulls one it has
+    no room for hands it back to the decode queue, and the idle one takes it: no document waits. (The
+    pull cannot see a job's size. The busy worker kept what it pulled and waited until its own request
+    ended while the other worker stood idle: with the hand-back taken out, in 4 runs of 4.)"""
+    # no drafts: the long answer takes a step a token (its story, learnt by the suffix cache, came
+    # out so fast that it could end before the first document came)
+    stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "2", "--worker-arg=--num-kv-blocks=48",
+                    "--worker-arg=--speculative=off")
+    try:
+        results: dict[str, tuple] = {}
+        streaming, done = threading.Event(), threading.Event()
+
+        def long_answer() -> None:
+            try:
+                results["long"] = stream_gaps(url, "Write a long story about a fox and a dog.", 640, streaming)
+            finally:
+                done.set()
+
+        first = threading.Thread(target=long_answer)
+        first.start()
+        assert streaming.wait(120), results
+        sent_beside = 0
+        for i in range(3):
+            beside = not done.is_set()
+            results[f"doc {i}"] = stream_gaps(url, doc(i + 1, 40), 8)
+            sent_beside += beside and not done.is_set()  # it was prefilled and decoded while the long one ran
+        join_all([first], 120)
+        print(f"\n(usage, errors, longest wait in s): {results}")
+        assert all(errors == [] and usage["completion_tokens"] in (8, 640) for usage, errors, _ in results.values()), \
+            results
+        logs = "\n".join((stack.workdir / f"decode-{i}.log").read_text() for i in range(2))
+        assert not re.search(r"waits for \d+ KV blocks", logs), logs  # a document waited for the long answer
+        assert sent_beside >= 1, "the long answer ended before a document came: nothing was tested"
+        print(f"documents beside the long answer: {sent_beside}; handed back: "
+              f"{len(re.findall(r'handed back to the decode queue', logs))}")
         wait_no_blocks_in_use(url, 30)
     finally:
         stack.stop()
