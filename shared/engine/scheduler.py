@@ -72,6 +72,7 @@ class Scheduler:
                 break
         if out.preempted:
             return out  # memory is tight: admit nobody new this step
+        budget = self._admit_holding_kv(out, budget)
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if not seq.block_table and seq.params.prompt_logprobs is None:  # those need every prompt row
@@ -93,6 +94,21 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return out
+
+    def _admit_holding_kv(self, out: SchedulerOutput, budget: int) -> int:
+        """Waiting sequences that already hold their KV (a decode job's imported blocks) go first:
+        each needs a token a step, and frees its blocks as it ends. Behind a sequence that must compute
+        its prompt (a preempted one, recomputed) they could wait for ever: while they hold their
+        blocks that prompt may never fit, so neither ran. Returns the budget left."""
+        for seq in [s for s in self.waiting if s.block_table and s.num_new_tokens == 1]:
+            if len(self.running) >= self.max_num_seqs or budget <= 0 or not self.kv.allocate_slots(seq, 1):
+                break
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, 1))
+            budget -= 1
+        return budget
 
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Allocate blocks for `n` more tokens of `seq`, preempting the newest running sequences."""

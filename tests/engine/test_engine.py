@@ -121,6 +121,35 @@ def test_preemption_under_tiny_pool_gives_same_outputs_and_no_leak():
     assert_all_blocks_released(engine)
 
 
+def test_an_imported_sequence_behind_a_preempted_one_runs_and_neither_waits_for_ever():
+    """12 blocks: two requests decode until the newer is preempted; a decode job's KV (3 blocks) is
+    imported while it waits; then the older one outgrows the rest and is preempted too. Its prompt
+    (10 blocks recomputed) cannot fit while the imported sequence holds its 3, and that one waited
+    behind it: nothing ran, for ever. The imported one goes first now, ends, and the rest follow."""
+    engine = make_engine(num_kv_blocks=12, max_num_batched_tokens=256, speculative=NO_SPEC)
+    a, c, b = prompts([90, 60, 40], seed=11)
+    long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    engine.add_request("a", a, long)
+    engine.add_request("c", c, long)
+    for _ in range(100):
+        engine.step()
+        if engine.stats.preemptions:
+            break
+    assert [s.request_id for s in engine.scheduler.waiting] == ["c"]
+    engine.add_prefilled("b", b, 7, engine.kv_cache.empty_blocks(3),
+                         SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    finished: dict[str, int] = {}
+    for _ in range(1000):
+        for out in engine.step():
+            finished[out.request_id] = finished.get(out.request_id, 0) + len(out.new_token_ids)
+        engine.pool.check_invariants()
+        if not engine.has_unfinished():
+            break
+    assert not engine.has_unfinished(), [(s.request_id, s.num_computed_tokens) for s in engine.scheduler.waiting]
+    assert engine.stats.preemptions >= 2 and finished["b"] == 29  # its first token came with its KV
+    assert_all_blocks_released(engine)
+
+
 @pytest.mark.parametrize("steps_before_abort", [1, 2, 6])  # mid-prefill (chunked), just after, mid-decode
 def test_abort_frees_every_block(steps_before_abort):
     engine = make_engine(max_num_batched_tokens=16)
