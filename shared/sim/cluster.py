@@ -68,7 +68,7 @@ class ClusterConfig:
     prefill_max_inflight: int | None = None
     prefix_caching: bool = True
     conditional_threshold: int = 256
-    decode_pull_batch: int = 4  # a decode worker takes at most this many jobs per pull
+    decode_pull_batch: int = 1  # a decode worker takes at most this many jobs per pull (the real one: 1)
     gpus_per_host: int = 8  # workers sharing one kvstore (prefix-cache capacity per host)
     decode_spans: bool = True  # false: every decode step its own event (slow; tests compare the two)
     # false: every engine of a CPU profile on cores of its own (a probe of the work a load brings,

@@ -325,24 +325,23 @@ class SimEngine:
             i += 1
         if preempted:
             return plan  # memory is tight: admit nobody new this step
+        # waiting sequences that hold their KV (imported decode jobs) go first, as in the real
+        # scheduler: behind a prompt to compute (a preempted one) they could wait for ever
+        for seq in [s for s in self.waiting if s.blocks and s.num_tokens - s.computed == 1]:
+            if len(self.running) >= self.max_num_seqs or budget <= 0 or not self._grow(seq, seq.computed + 1):
+                break
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            plan.append((seq, 1))
+            budget -= 1
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             n = min(seq.num_tokens - seq.computed, budget)
             if not self._grow(seq, seq.computed + n):
                 if seq.computed == 0 and seq.blocks:  # don't sit on blocks while waiting
                     self._free(seq)
-                # Sequences behind it that already hold their KV (imported decode jobs) go first:
-                # they block the head's blocks and only running can give them back.
-                seq = next((s for s in self.waiting if s.computed and self._grow(s, s.computed + 1)), None)
-                if seq is None:
-                    break
-                self.waiting.remove(seq)
-                n = 1 if seq.num_tokens - seq.computed == 1 else min(seq.num_tokens - seq.computed, budget)
-                if n > 1 and not self._grow(seq, seq.computed + n):
-                    self.waiting.appendleft(seq)
-                    break
-            else:
-                self.waiting.popleft()
+                break
+            self.waiting.popleft()
             self.running.append(seq)
             plan.append((seq, n))
             budget -= n

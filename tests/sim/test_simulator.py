@@ -55,7 +55,8 @@ def test_speculative_rows_riding_on_chunks_keep_tokens_and_blocks_exact(mode):
     stay within a tight budget."""
     spec = replace(PROFILE, tokens_per_event=2.5, drafts_per_event=1.5)
     reqs = _requests(n=40, rate=6.0)
-    cluster = Cluster(spec, ClusterConfig(mode=mode, decode=2, num_kv_blocks=60))
+    # pulls of 4 requests: more rows ride on each other's chunks
+    cluster = Cluster(spec, ClusterConfig(mode=mode, decode=2, num_kv_blocks=60, decode_pull_batch=4))
     cluster.run(reqs, check_every=1)
     cluster.check_invariants(final=True)
     assert sum(cluster.rec.tokens) == sum(r.output_tokens for r in reqs)
