@@ -248,10 +248,11 @@ class WorkerRuntime:
                            renew: Callable[[], Awaitable[object]] | None = None) -> StreamItem:
         """The request's first output from the engine. While it computes (a long prompt, or one that
         waits in the engine behind others: four documents at once on a slow CPU take minutes), each
-        ack_wait/3 that the engine has stepped since the last time the gateway gets a "taken" notice
-        and `renew()` keeps a lease alive, so neither the gateway's inactivity timeout nor the
-        lease's TTL gives up on a request this worker is busy on. An engine that stopped stepping
-        sends nothing: the gateway's timeout still ends its requests."""
+        third of the ack wait or of the lease TTL (the shorter), while the engine has stepped within
+        the last ack wait, the gateway gets a "taken" notice and `renew()` keeps a lease alive, so
+        neither the gateway's inactivity timeout nor the lease's TTL gives up on a request this
+        worker is busy on, however long one step takes. An engine that stopped stepping sends
+        nothing: the gateway's timeout still ends its requests."""
         beats = asyncio.create_task(self._while_computing(stream.request_id, index, renew))
         try:
             return await stream.get()
@@ -259,12 +260,14 @@ class WorkerRuntime:
             beats.cancel()
 
     async def _while_computing(self, rid: str, index: int, renew: Callable[[], Awaitable[object]] | None) -> None:
-        steps = self.async_engine.steps
+        c = self.config
+        steps, stepped_at = self.async_engine.steps, time.monotonic()
         while True:
-            await asyncio.sleep(self.config.ack_wait_s / 3)
-            if self.async_engine.steps == steps:
+            await asyncio.sleep(min(c.ack_wait_s, c.lease_ttl_s) / 3)
+            if self.async_engine.steps != steps:
+                steps, stepped_at = self.async_engine.steps, time.monotonic()
+            elif time.monotonic() - stepped_at > c.ack_wait_s:
                 continue
-            steps = self.async_engine.steps
             try:
                 await self.publish_tokens(rid, index, [])
             except Exception as exc:  # NATS away: the next beat tries again
