@@ -1,5 +1,6 @@
 """The decode worker: pull a DecodeJob only when there is a free slot and room for its blocks (one
-that does not fit beside the running requests goes back to the queue once, for a worker with room)
+that does not fit beside the running requests goes back to the queue once, for a worker with room;
+one that comes back waits here, its blocks in the store, until it fits or another worker has room)
 → copy the blocks from the kvstore (shared memory on this host) → release the lease → join the
 running batch → publish every step's tokens → the final event with usage and timing.
 
@@ -22,7 +23,7 @@ from shared.engine.engine import LLMEngine
 from shared.engine.sequence import FinishReason
 from shared.protocol import subjects
 from shared.protocol.convert import to_params
-from shared.protocol.messages import DecodeJob, ErrorCode, PrefillJob, Timing, encode
+from shared.protocol.messages import DecodeJob, ErrorCode, PrefillJob, Timing, WorkerStats, decode, encode
 from shared.telemetry import tracing
 from shared.transport import nats_bus
 from shared.transport.kv_client import KVStoreClient, KVStoreError
@@ -31,6 +32,12 @@ from shared.transport.worker import WorkerRuntime, attach_kvstore, keep_in_progr
 log = logging.getLogger(__name__)
 
 HAND_BACK_PAUSE_S = 0.2  # after handing a job back, a worker lets the others pull first
+PEER_STATS_FRESH_S = 1.0  # another decode worker's stats (every 0.25 s) count this long
+
+
+def pull_reserve(num_kv_blocks: int) -> int:
+    """Free blocks a decode worker keeps for its running sequences to grow: it pulls only beyond them."""
+    return max(8, num_kv_blocks // 8)
 
 
 class DecodeWorker(WorkerRuntime):
@@ -40,6 +47,7 @@ class DecodeWorker(WorkerRuntime):
         self._stores: dict[str, KVStoreClient] = {}  # other hosts' kvstores (network path)
         self._waiting_for_blocks = False  # a taken job waits for room in the engine's KV cache
         self._handed_back_at = -math.inf  # when this worker last put a job it had no room for back
+        self._peers: dict[str, tuple[float, WorkerStats]] = {}  # while a job waits: the other decode workers' stats
 
     async def run(self) -> None:
         await self.start()
@@ -70,8 +78,8 @@ class DecodeWorker(WorkerRuntime):
         e = self.engine
         if self._waiting_for_blocks or time.monotonic() - self._handed_back_at < HAND_BACK_PAUSE_S:
             return False
-        reserve = max(8, e.config.num_kv_blocks // 8)
-        return self.async_engine.num_requests < e.config.max_num_seqs and e.pool.num_free_blocks > reserve
+        return self.async_engine.num_requests < e.config.max_num_seqs and \
+            e.pool.num_free_blocks > pull_reserve(e.config.num_kv_blocks)
 
     async def _pull(self, sub, take) -> None:
         while not self.stop.is_set():
@@ -106,7 +114,7 @@ class DecodeWorker(WorkerRuntime):
         job = await self.accept(msg, DecodeJob, on_skip=self._release)
         if job is None:
             return
-        if await self._hand_back(msg, job):
+        if await self._hand_back(msg, job) or not await self._wait_unread(msg, job):
             return
         taken = time.time()
         rid = job.request_id
@@ -151,17 +159,25 @@ class DecodeWorker(WorkerRuntime):
     def _blocks_needed(self, job: DecodeJob) -> int:
         return -(-(len(job.token_ids) + 1) // self.engine.config.block_size)  # the prompt and its first token
 
+    def _no_room_for(self, need: int) -> bool:
+        return bool(self.async_engine.num_requests) and self.engine.pool.num_free_blocks < need
+
     async def _hand_back(self, msg, job: DecodeJob) -> bool:
         """A job whose blocks do not fit while this worker's requests hold its KV cache goes back to
         the decode queue, once per worker, for one with room to take (the pull cannot see a job's
         size before taking it). The blocks stay in the store, unread; the gateway still sees the
-        request queued. This worker takes nothing for HAND_BACK_PAUSE_S, so a worker already
-        waiting to pull gets it first; a job that comes back to a worker that handed it back waits
-        there (`_wait_for_blocks`). True if it was handed back."""
-        need, free = self._blocks_needed(job), self.engine.pool.num_free_blocks
-        me = self.config.instance
-        if not self.async_engine.num_requests or free >= need or me in job.handed_back:
+        request queued. A job that comes back to a worker that handed it back waits there
+        (`_wait_unread`). True if it was handed back."""
+        need = self._blocks_needed(job)
+        if not self._no_room_for(need) or self.config.instance in job.handed_back:
             return False
+        return await self._republish(msg, job, f"needs {need} KV blocks ({self.engine.pool.num_free_blocks} free)")
+
+    async def _republish(self, msg, job: DecodeJob, why: str) -> bool:
+        """Put the job back at the end of the decode queue, this worker named in its `handed_back`,
+        and take nothing for HAND_BACK_PAUSE_S, so a worker already waiting to pull gets it first.
+        False if the queue does not answer (the job stays here)."""
+        me = self.config.instance
         again = msgspec.structs.replace(job, handed_back=[*job.handed_back, me])
         headers = {k: v for k, v in (msg.headers or {}).items() if k != "Nats-Msg-Id"}  # its trace
         try:
@@ -174,9 +190,73 @@ class DecodeWorker(WorkerRuntime):
         self._handed_back_at = time.monotonic()
         self.done(job.request_id, job.attempt)
         await msg.ack()
-        log.info("request %s needs %d KV blocks (%d free): handed back to the decode queue", job.request_id,
-                 need, free)
+        log.info("request %s %s: handed back to the decode queue", job.request_id, why)
         return True
+
+    async def _wait_unread(self, msg, job: DecodeJob) -> bool:
+        """A job that came back to this worker with no room for it here waits, before its blocks are
+        read: they stay in the store, its lease renewed, while the running requests free room. If
+        another decode worker's stats show room for it first, it is handed back once more for that
+        one (at most twice per worker). Meanwhile this worker takes no other job and JetStream hears
+        the job is alive (`_pull` keeps it in progress: were this worker to die or stop, the job
+        would be redelivered after its ack wait); the gateway sees it queued, as it is. True: take it
+        here now; False: it was handed on, or cancelled meanwhile (its lease released)."""
+        need, me = self._blocks_needed(job), self.config.instance
+        if not self._no_room_for(need):
+            return True
+        log.info("request %s waits for %d KV blocks (%d free), its blocks in the store", job.request_id, need,
+                 self.engine.pool.num_free_blocks)
+        ttl = self.config.lease_ttl_s
+        renewed = time.monotonic()
+        self._waiting_for_blocks = True
+        self._peers, peers = {}, None
+        try:
+            peers = await self.nc.subscribe(subjects.stats("decode", "*"), cb=self._on_peer_stats)  # while it waits
+            while self._no_room_for(need):
+                if self.cancelled.covers(job.request_id, job.attempt):
+                    self.done(job.request_id, job.attempt)
+                    await self._release(job)
+                    await msg.ack()
+                    return False
+                peer = self._peer_with_room(need) if job.handed_back.count(me) < 2 else None
+                if peer and await self._republish(msg, job, f"waited for {need} KV blocks; {peer} has room"):
+                    return False
+                if job.lease_id and time.monotonic() - renewed > ttl / 3:
+                    renewed = time.monotonic()
+                    try:
+                        await (await self._store(job.store)).renew(job.lease_id, ttl)
+                    except Exception as exc:  # gone, or the store away: the read will tell (and the policy apply)
+                        log.warning("request %s: lease %s not renewed (%s)", job.request_id, job.lease_id, exc)
+                await asyncio.sleep(0.02)
+            return True
+        finally:
+            self._waiting_for_blocks = False
+            if peers is not None:
+                try:
+                    await peers.unsubscribe()
+                except Exception as exc:  # NATS away: the subscription goes with the connection
+                    log.warning("stats subscription not ended: %s", exc)
+
+    async def _on_peer_stats(self, msg) -> None:
+        try:
+            s = decode(msg.data, WorkerStats)
+        except Exception as exc:
+            log.warning("malformed stats on %s skipped: %s", msg.subject, exc)
+            return
+        if s.instance != self.config.instance:
+            self._peers[s.instance] = (time.monotonic(), s)
+
+    def _peer_with_room(self, need: int) -> str | None:
+        """Another decode worker whose last stats (fresh) show that it would pull now and fit `need`
+        blocks: a free slot, and free blocks beyond its reserve and at least `need`."""
+        now = time.monotonic()
+        for name, (at, s) in self._peers.items():
+            if now - at > PEER_STATS_FRESH_S:
+                continue
+            free = s.kv_blocks_total - s.kv_blocks_in_use
+            if not s.draining and s.free_slots > 0 and free >= need and free > pull_reserve(s.kv_blocks_total):
+                return name
+        return None
 
     async def _wait_for_blocks(self, job: DecodeJob, index: int) -> bool:
         """Wait until the engine's KV cache has room for the job's prompt and first token while the

@@ -304,10 +304,10 @@ def test_a_prefill_longer_than_the_inactivity_timeout_completes_while_the_engine
         stack.stop()
 
 
-def stream_gaps(url: str, content: str, max_tokens: int, streaming: threading.Event | None = None
-                ) -> tuple[dict, list[dict], float]:
+def stream_gaps(url: str, content: str, max_tokens: int, streaming: threading.Event | None = None,
+                after: int = 10) -> tuple[dict, list[dict], float]:
     """Stream one chat request; returns (its usage, error payloads, the longest wait between two
-    content chunks in seconds). Sets `streaming` after the tenth content chunk."""
+    content chunks in seconds). Sets `streaming` after `after` content chunks."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     usage, errors, longest, last, chunks = {}, [], 0.0, None, 0
@@ -323,7 +323,7 @@ def stream_gaps(url: str, content: str, max_tokens: int, streaming: threading.Ev
                 now = time.monotonic()
                 longest = max(longest, now - last) if last is not None else 0.0
                 last, chunks = now, chunks + 1
-                if streaming is not None and chunks == 10:
+                if streaming is not None and chunks == after:
                     streaming.set()
     return usage, errors, longest
 
@@ -371,8 +371,8 @@ def test_a_decode_job_whose_prompt_does_not_fit_yet_waits_for_room(tmp_path_fact
     """A decode worker with a 64-block KV cache is decoding a 650-token document (41 blocks, growing
     to 57) when a 500-token one (32 blocks) is handed to it. It puts the job back in the decode
     queue for a worker with room; none has, it gets the job back, and now waits for the first one's
-    blocks to be freed (taking no other job, telling the gateway the request is queued there), then
-    decodes it. It used to fail it at once: "no room for 32 KV blocks" (503)."""
+    blocks to be freed (taking no other job, the job's blocks still in the store), then reads them
+    and decodes it. It used to fail it at once: "no room for 32 KV blocks" (503)."""
     stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "1", "--worker-arg=--num-kv-blocks=64")
     try:
         results: dict[str, tuple] = {}
@@ -391,6 +391,59 @@ def test_a_decode_job_whose_prompt_does_not_fit_yet_waits_for_room(tmp_path_fact
         handed = re.search(r"request (\S+) needs 3\d KV blocks \(\d+ free\): handed back", log)
         assert handed, log[-2000:]
         assert re.search(rf"request {handed[1]} waits for 3\d KV blocks \(\d+ free\)", log), log[-2000:]
+        wait_no_blocks_in_use(url, 30)
+    finally:
+        stack.stop()
+
+
+def test_a_decode_job_waiting_for_room_goes_to_a_decode_worker_that_has_it_first(tmp_path_factory):
+    """One decode worker with 160 KV blocks decodes a long answer (growing to ~150 blocks); a document
+    of ~100 blocks comes when ~90 are taken. The worker hands it back, gets it back (no other worker)
+    and waits with it, its blocks still in the store. A second decode worker starts (as the autoscaler
+    would add one): its stats show room, so the waiting worker hands the job on once more, and the
+    new worker decodes it while the long answer still runs (the job waited for the answer's end
+    before). Its KV lease lasts 6 s, less than the wait (the second worker starts 7 s into it): the
+    waiting worker renews it."""
+    from services.up import StackWorkers
+
+    stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "1", "--worker-arg=--num-kv-blocks=160",
+                    "--worker-arg=--speculative=off", "--worker-arg=--lease-ttl=6")
+    try:
+        results: dict[str, tuple] = {}
+        streaming, done = threading.Event(), threading.Event()
+
+        def long_answer() -> None:
+            try:
+                results["long"] = stream_gaps(url, "Write a long story about a fox and a dog.", 2400, streaming,
+                                              after=1000)
+            finally:
+                done.set()
+
+        first = threading.Thread(target=long_answer)
+        first.start()
+        assert streaming.wait(180), results  # ~1,000 tokens out: ~65 blocks taken
+        second = threading.Thread(target=lambda: results.__setitem__("doc", stream_gaps(url, doc(1, 95), 8)))
+        second.start()
+        log0 = stack.workdir / "decode-0.log"
+        deadline = time.monotonic() + 60
+        while not re.search(r"waits for \d+ KV blocks \(\d+ free\), its blocks in the store", log0.read_text()):
+            assert time.monotonic() < deadline and not done.is_set(), log0.read_text()[-2000:]
+            time.sleep(0.1)
+        time.sleep(7)  # longer than the lease
+        StackWorkers(stack).spawn("decode")
+        join_all([second], 120)
+        doc_done_while_long_ran = not done.is_set()
+        join_all([first], 180)
+        print(f"\n(usage, errors, longest wait in s): {results}")
+        assert all(errors == [] and usage["completion_tokens"] == (2400 if name == "long" else 8)
+                   for name, (usage, errors, _) in results.items()), results
+        assert re.search(r"waited for \d+ KV blocks; decode-1 has room: handed back", log0.read_text()), \
+            log0.read_text()[-2000:]
+        log1 = (stack.workdir / "decode-1.log").read_text()
+        assert "took request" in log1, log1[-2000:]
+        assert "not renewed" not in log0.read_text() and "not released" not in log1  # the lease lived to the read
+        assert results["doc"][0]["cost"]["kv_bytes"] > 0  # its blocks were read, not computed again
+        assert doc_done_while_long_ran, "the document waited for the long answer's end"
         wait_no_blocks_in_use(url, 30)
     finally:
         stack.stop()
