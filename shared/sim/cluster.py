@@ -4,6 +4,8 @@
                                                                    │ token 1 (TTFT); KV write
                 decode queue ◀──────────────── KV stored ◀─────────┘
                      │ (a decode worker with a free slot and free blocks pulls; KV read, one at a time)
+                     │ (too big for it beside its running requests: handed back once; back again, it waits
+                     │  there, unread, until it fits or another worker has room: handed on once more)
                      ▼
                 decode engine (continuous batching, block budget, preemption) ──▶ finished
 
@@ -51,8 +53,8 @@ from shared.sim.metrics import Recorder
 from shared.sim.workload import Load, SimRequest
 
 MODES = ("disaggregated", "colocated", "conditional")
-ARRIVE, STEP, KV_STORED, JOIN, RETRY, TICK, READY = range(7)
-RETRY_DELAY_S = 1.0  # a decode job that found no blocks is redelivered after this (nak delay)
+ARRIVE, STEP, KV_STORED, JOIN, WAKE, TICK, READY = range(7)
+HAND_BACK_PAUSE_S = 0.2  # a decode worker that handed a job back pulls nothing this long (the real one's)
 SLO_WINDOW_S = 300.0  # a scaled run reports its SLO attainment per this much of arrivals
 
 
@@ -194,7 +196,9 @@ class Cluster:
         self.direct_q: deque[int] = deque()  # conditional: whole short requests for decode workers
         self.hungry_prefill: deque[SimEngine] = deque()
         self.hungry_decode: deque[SimEngine] = deque()
-        self.kv_stats = {"transfers": 0, "bytes": 0, "write_s": 0.0, "read_s": 0.0, "retries": 0}
+        self.kv_stats = {"transfers": 0, "bytes": 0, "write_s": 0.0, "read_s": 0.0, "handed_back": 0, "waited": 0}
+        self.handed_back: dict[int, list[int]] = {}  # decode job -> the workers that handed it back, each time
+        self.waiting: set[SimEngine] = set()  # decode workers with a job waiting, unread, for room
         self.closed: ClosedLoop | None = None
         self.closed_ids: set[int] = set()
         self.events = 0
@@ -258,9 +262,8 @@ class Cluster:
                 self._on_kv_stored(a, b, t)
             elif typ == JOIN:
                 self._on_join(a, b, t)
-            elif typ == RETRY:
-                self.decode_q.appendleft(a)
-                self._feed(self.decode_q, self.hungry_decode, t)
+            elif typ == WAKE:  # a worker's pause after a hand-back is over
+                self._pull(a, t)
             elif typ == TICK:
                 self._tick(t)
             elif typ == READY:
@@ -328,6 +331,8 @@ class Cluster:
     def _room(self, w: SimEngine) -> int:
         if w.role == "prefill":
             return self.max_inflight - w.held - w.num_requests
+        if self.now < w.paused_until:
+            return 0
         slots = min(w.max_num_seqs - w.num_requests - w.held, self.config.decode_pull_batch)
         if slots <= 0:
             return 0
@@ -348,19 +353,90 @@ class Cluster:
         if w.role == "decode" and w.held:  # still reading the previous pull's KV
             return
         queues = (self.prefill_q,) if w.role in ("prefill", "colocated") else (self.decode_q, self.direct_q)
+        handed_back = False
         for q in queues:
             while room > 0 and q:
-                self._take(w, q.popleft(), q is self.decode_q, t)
+                rid = q.popleft()
+                if q is self.decode_q and self._hand_back(w, rid, t):
+                    handed_back, room = True, 0
+                    break
+                if q is self.decode_q and self._no_room_for(w, rid, t):  # it came back: it waits here,
+                    w.unread.append(rid)                                     # taking nothing else
+                    w.held += 1
+                    self.waiting.add(w)
+                    self.kv_stats["waited"] += 1
+                    room = 0
+                    break
+                self._take(w, rid, q is self.decode_q, t)
                 room -= 1
         if room > 0:
             self._mark_hungry(w)
         if not w.busy:
             self._plan(w, t)
+        if handed_back:  # for a worker with room (this one pulls again after its pause)
+            self._feed(self.decode_q, self.hungry_decode, t)
+
+    def _need(self, w: SimEngine, rid: int) -> int:
+        return w.blocks_for(self.reqs[rid].prompt_tokens + 1)  # the prompt and its first token
+
+    def _no_room_for(self, w: SimEngine, rid: int, t: float) -> bool:
+        """`w`'s running requests leave too few blocks for decode job `rid` (counted exactly)."""
+        need = self._need(w, rid)
+        if not w.num_requests or w.free_blocks_bound(t) >= need:
+            return False
+        w.sync_span_blocks(t)
+        return w.free_blocks < need
+
+    def _hand_back(self, w: SimEngine, rid: int, t: float) -> bool:
+        """As the real decode worker: a job whose prompt does not fit in the blocks left beside the
+        worker's running requests goes back to the end of the decode queue, once per worker. True if
+        it was handed back."""
+        if w.wid in self.handed_back.get(rid, ()) or not self._no_room_for(w, rid, t):
+            return False
+        self._requeue(w, rid, t)
+        return True
+
+    def _requeue(self, w: SimEngine, rid: int, t: float) -> None:
+        """`w` puts decode job `rid` back at the end of the queue and pulls nothing for HAND_BACK_PAUSE_S."""
+        self.handed_back.setdefault(rid, []).append(w.wid)
+        self.kv_stats["handed_back"] += 1
+        self.decode_q.append(rid)
+        w.paused_until = t + HAND_BACK_PAUSE_S
+        self._push(w.paused_until, WAKE, w)
+
+    def _unblock(self, w: SimEngine, t: float) -> None:
+        """`w`'s requests freed blocks: the jobs waiting on it go on (those read join its engine, those
+        unread are read), as they fit."""
+        while w.waiting_jobs and w.import_seq(w.waiting_jobs[0]):
+            w.waiting_jobs.popleft()
+            w.held -= 1
+        while w.unread and not self._no_room_for(w, w.unread[0], t):
+            w.held -= 1
+            self._take(w, w.unread.popleft(), True, t)
+        if not w.unread:
+            self.waiting.discard(w)
+
+    def _offer_waiting(self, v: SimEngine, t: float) -> None:
+        """Decode worker `v` has room now: a job waiting unread on another worker for room there is
+        handed on to the queue for it (as the real worker does when a peer's stats show room: at
+        most twice a job per worker)."""
+        for w in list(self.waiting):
+            if w is v or v.draining or self._room(v) <= 0:
+                continue
+            rid = w.unread[0]
+            if self.handed_back[rid].count(w.wid) < 2 and v.free_blocks >= self._need(v, rid):
+                w.unread.popleft()
+                w.held -= 1
+                if not w.unread:
+                    self.waiting.discard(w)
+                self._requeue(w, rid, t)
+                self._feed(self.decode_q, self.hungry_decode, t)
 
     def _take(self, w: SimEngine, rid: int, prefilled: bool, t: float) -> None:
         req = self.reqs[rid]
         kind = self.rec.kind[rid]
         if prefilled:  # a decode job: read the KV (one read at a time per worker), then join
+            self.handed_back.pop(rid, None)
             read = w.profile.transfer_time(self.config.kv_path, self._kv_bytes(req.prompt_tokens))[1]
             start = max(t, w.intake_free_s)
             w.intake_free_s = start + read
@@ -447,9 +523,13 @@ class Cluster:
             if not ok:  # the cached prefix does not fit here now: compute the whole prompt
                 seq.computed = seq.cached = 0
                 w.add(seq)
-        elif not w.import_seq(seq):  # no blocks for it now: redelivered later
-            self.kv_stats["retries"] += 1
-            self._push(t + RETRY_DELAY_S, RETRY, seq.rid)
+        elif not w.import_seq(seq):  # no room beside its running requests: it waits for them to free some
+            if w.blocks_for(seq.computed) > w.total_blocks:
+                raise RuntimeError(f"request {seq.rid} needs {w.blocks_for(seq.computed)} KV blocks; a decode "
+                                   f"worker has {w.total_blocks}")
+            self.kv_stats["waited"] += 1
+            w.waiting_jobs.append(seq)
+            w.held += 1
         if not w.busy:
             self._plan(w, t)
         if not w.held:
@@ -461,6 +541,10 @@ class Cluster:
                 self._prefill_done(w, seq, t)
             else:
                 self._finished(seq.rid, t)
+        if w.held:
+            self._unblock(w, t)
+        if self.waiting and w.role == "decode":
+            self._offer_waiting(w, t)
         self._pull(w, t)
         if not w.busy:
             self._plan(w, t)
@@ -546,6 +630,8 @@ class Cluster:
         self._pool(kind).append(w)
         self._engines_changed()
         self._pull(w, t)
+        if self.waiting and w.role == "decode":
+            self._offer_waiting(w, t)
 
     def _retire_if_done(self, w: SimEngine, t: float) -> None:
         if w.draining and not w.busy and not w.num_requests and not w.held and w.retired_s is None:

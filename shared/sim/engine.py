@@ -81,6 +81,9 @@ class SimEngine:
         self.max_used_blocks = 0
         self.held = 0  # jobs held outside the engine: a prefill's KV being written, a decode job's being read
         self.intake_free_s = 0.0  # decode: KV reads run one at a time
+        self.paused_until = 0.0  # decode: it handed a job back and pulls nothing until then
+        self.unread: deque[int] = deque()  # decode: jobs waiting for blocks before their KV is read (in held)
+        self.waiting_jobs: deque[SimSeq] = deque()  # decode: jobs read, waiting for blocks (in held)
         self.hungry = False  # waiting in its pool's queue of workers with room
         self.draining = False  # removed by a scaler: takes no new job, leaves when it holds none
         self.born_s = 0.0  # when its GPUs were taken (cost)

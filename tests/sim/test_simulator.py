@@ -619,3 +619,40 @@ def test_a_decode_step_costs_what_its_width_does():
     assert Profile.from_json(cpu.to_json()).decode_wide == wide
     moved = cpu.with_tokens_per_event(2.0, 1.0)
     assert moved.decode_time(1, 0, wide=True) == pytest.approx(0.0165 / 2)  # τ 2 (no cost given for drafts)
+
+
+@pytest.mark.parametrize("decode", [1, 2])
+def test_a_decode_job_too_big_beside_a_running_request_is_handed_back_then_waits(decode):
+    """As the real decode worker (services/decode/worker.py): a long answer fills most of a 48-block
+    worker; documents of 41 blocks come while it runs. The busy worker hands each back once; with a
+    second worker the documents go there and none waits, alone the busy worker takes one back and
+    it waits there until the answer's blocks are freed (not a redelivery a second later)."""
+    answer = SimRequest(0.0, 20, 640)
+    docs = [SimRequest(t, 650, 5, kind="long") for t in (3.0, 6.0, 9.0)]
+    cluster = _run(ClusterConfig(prefill=1, decode=decode, num_kv_blocks=48), [answer, *docs])
+    stats, rec = cluster.kv_stats, cluster.rec
+    assert max(w.max_used_blocks for w in cluster.decode_pool) <= 48
+    assert stats["handed_back"] >= 1
+    if decode == 2:
+        assert stats["waited"] == 0
+        assert all(rec.finish_s[rid] < rec.finish_s[0] for rid in (1, 2, 3))  # none behind the answer
+    else:
+        assert stats["waited"] >= 1
+        waited = [rid for rid in (1, 2, 3) if rec.finish_s[rid] > rec.finish_s[0]]
+        assert waited, "no document waited for the answer's blocks"
+        # it joins at the answer's last step: its 4 decode steps follow (one job pulled at a time)
+        first_after = min(rec.finish_s[rid] for rid in waited)
+        assert first_after - rec.finish_s[0] < 4 * 0.05 + 0.05
+
+
+def test_a_decode_job_waiting_for_room_goes_to_a_worker_that_frees_room_first():
+    """Two 48-block decode workers, one decoding a long answer, the other a shorter one; a document
+    of 41 blocks fits beside neither. Both hand it back; it comes back to the first and waits there,
+    unread. When the shorter answer ends, the other worker has room: the job is handed on once more
+    and decoded there, long before the long answer ends (it waited for that end before)."""
+    reqs = [SimRequest(0.0, 20, 640), SimRequest(0.5, 20, 200), SimRequest(3.0, 650, 5, kind="long")]
+    cluster = _run(ClusterConfig(prefill=1, decode=2, num_kv_blocks=48), reqs)
+    stats, finish = cluster.kv_stats, cluster.rec.finish_s
+    assert stats["waited"] == 1 and stats["handed_back"] == 3, stats
+    assert finish[1] < finish[2] < finish[1] + 0.5  # decoded just after the shorter answer ended …
+    assert finish[2] < finish[0] - 5  # … not after the long one
