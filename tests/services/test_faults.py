@@ -273,8 +273,21 @@ def test_nats_cluster_node_leading_the_prefill_queue_killed_every_request_comple
         prompts = [f"Write a short story about a lighthouse keeper named Keeper {i}." for i in range(24)]
         tokens = 48
         expected = undisturbed(url, prompts, tokens)
+        def admitted() -> float:  # in flight at the gateway, or ended
+            running = metric_values(url, "pdserve_requests_running")
+            return sum(v for k, v in running.items() if 'service="gateway"' in k) + \
+                sum(metric_values(url, "pdserve_requests_total").values())
+
+        before = admitted()
         results, threads = run_streams(url, prompts, tokens)
-        time.sleep(2.0)  # prefills queued and running, the first streams decoding
+        # every stream admitted (a request that reaches the gateway after the kill, while its client
+        # fails over, gets a 503 "retry shortly": on a busy host two of 24 once did), then prefills
+        # queued and running, the first streams decoding
+        deadline = time.monotonic() + 60
+        while admitted() - before < len(prompts):
+            assert time.monotonic() < deadline, "the gateway never admitted every stream"
+            time.sleep(0.05)
+        time.sleep(1.0)
         nodes[leader].proc.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         # a new request after the kill: served once the clients have failed over and a leader is elected
