@@ -398,7 +398,7 @@ def test_a_decode_job_whose_prompt_does_not_fit_yet_waits_for_room(tmp_path_fact
 
 def test_a_decode_job_waiting_for_room_goes_to_a_decode_worker_that_has_it_first(tmp_path_factory):
     """One decode worker with 160 KV blocks decodes a long answer (growing to ~150 blocks); a document
-    of ~100 blocks comes when ~90 are taken. The worker hands it back, gets it back (no other worker)
+    of 96 blocks comes when ~85 are taken. The worker hands it back, gets it back (no other worker)
     and waits with it, its blocks still in the store. A second decode worker starts (as the autoscaler
     would add one): its stats show room, so the waiting worker hands the job on once more, and the
     new worker decodes it while the long answer still runs (the job waited for the answer's end
