@@ -336,8 +336,10 @@ def test_a_request_waiting_for_a_busy_decode_pool_waits_instead_of_timing_out(tm
     from the workers"); and the decode worker takes a job only with room for it, counting the one it
     took a moment ago that its engine has not added yet (it took a second job at once, and that one
     sat in its engine, silent). Every request completes."""
+    # an ack wait of 6 s: a worker computing a prompt tells the gateway so every 2 s (each third of it),
+    # within the 3-s timeout (a 36-token prompt beside another test's processes once took 3 s)
     stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "1", "--worker-arg=--max-num-seqs=1",
-                    "--gateway-arg=--inactivity-timeout=3")
+                    "--worker-arg=--ack-wait=6", "--gateway-arg=--inactivity-timeout=3")
     try:
         for _ in range(3):  # the workers' first steps (cold, beside other tests) can be slower than 3 s
             warm = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=60)
