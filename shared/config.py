@@ -109,6 +109,12 @@ class ConnectionConfig:
     trace_sample_ratio: float = 1.0
 
 
+def pull_reserve(num_kv_blocks: int) -> int:
+    """Free KV blocks a decode worker keeps for its running sequences to grow: it pulls a job only
+    with more free than this (services/decode/worker.py, and the simulator's model of it)."""
+    return max(8, num_kv_blocks // 8)
+
+
 @dataclass(kw_only=True)
 class WorkerConfig(ConnectionConfig):
     """What a prefill, decode or colocated worker needs besides its engine."""

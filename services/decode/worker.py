@@ -17,7 +17,7 @@ import time
 
 import msgspec
 
-from shared.config import WorkerConfig
+from shared.config import WorkerConfig, pull_reserve
 from shared.engine.async_engine import RequestStream
 from shared.engine.engine import LLMEngine
 from shared.engine.sequence import FinishReason
@@ -33,11 +33,6 @@ log = logging.getLogger(__name__)
 
 HAND_BACK_PAUSE_S = 0.2  # after handing a job back, a worker lets the others pull first
 PEER_STATS_FRESH_S = 1.0  # another decode worker's stats (every 0.25 s) count this long
-
-
-def pull_reserve(num_kv_blocks: int) -> int:
-    """Free blocks a decode worker keeps for its running sequences to grow: it pulls only beyond them."""
-    return max(8, num_kv_blocks // 8)
 
 
 class DecodeWorker(WorkerRuntime):

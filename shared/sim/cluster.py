@@ -46,6 +46,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from shared.config import pull_reserve
 from shared.sim.cores import HostCores
 from shared.sim.cost import Profile
 from shared.sim.engine import SimEngine, SimSeq
@@ -336,7 +337,7 @@ class Cluster:
         slots = min(w.max_num_seqs - w.num_requests - w.held, self.config.decode_pull_batch)
         if slots <= 0:
             return 0
-        reserve = max(8, w.total_blocks // 8)  # as the decode worker: headroom for running sequences
+        reserve = pull_reserve(w.total_blocks)  # as the decode worker: headroom for running sequences
         if w.span is not None and w.free_blocks_bound(self.now) <= reserve:
             w.sync_span_blocks(self.now)  # close to the line: count exactly
         elif w.span is not None:
