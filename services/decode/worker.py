@@ -27,7 +27,7 @@ from shared.protocol.messages import DecodeJob, ErrorCode, PrefillJob, Timing, W
 from shared.telemetry import tracing
 from shared.transport import nats_bus
 from shared.transport.kv_client import KVStoreClient, KVStoreError
-from shared.transport.worker import WorkerRuntime, attach_kvstore, keep_in_progress
+from shared.transport.worker import WorkerRuntime, attach_kvstore, keep_in_progress, safe
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,18 @@ class DecodeWorker(WorkerRuntime):
         job = await self.accept(msg, DecodeJob, on_skip=self._release)
         if job is None:
             return
+        try:
+            await self._decode(msg, job)
+        except asyncio.CancelledError:
+            # stopped (a drain) before the job joined the engine, e.g. while it waited for room: it goes
+            # back to the queue now, for another worker, not after its ack wait; the drain does not wait for it
+            if not msg.is_acked:
+                self.done(job.request_id, job.attempt)
+                log.info("request %s: this worker stops; back to the decode queue", job.request_id)
+                await safe(msg.nak())
+            raise
+
+    async def _decode(self, msg, job: DecodeJob) -> None:
         if await self._hand_back(msg, job) or not await self._wait_unread(msg, job):
             return
         taken = time.time()
@@ -193,9 +205,10 @@ class DecodeWorker(WorkerRuntime):
         read: they stay in the store, its lease renewed, while the running requests free room. If
         another decode worker's stats show room for it first, it is handed back once more for that
         one (at most twice per worker). Meanwhile this worker takes no other job and JetStream hears
-        the job is alive (`_pull` keeps it in progress: were this worker to die or stop, the job
-        would be redelivered after its ack wait); the gateway sees it queued, as it is. True: take it
-        here now; False: it was handed on, or cancelled meanwhile (its lease released)."""
+        the job is alive (`_pull` keeps it in progress: were this worker to die, the job would be
+        redelivered after its ack wait; stopped, it puts the job back at once); the gateway sees it
+        queued, as it is. True: take it here now; False: it was handed on, or cancelled meanwhile
+        (its lease released)."""
         need, me = self._blocks_needed(job), self.config.instance
         if not self._no_room_for(need):
             return True

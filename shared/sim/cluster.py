@@ -417,6 +417,16 @@ class Cluster:
         if not w.unread:
             self.waiting.discard(w)
 
+    def _put_back_unread(self, w: SimEngine, t: float) -> None:
+        """A decode worker told to drain puts the jobs waiting unread on it back in the queue at once
+        (the real one naks them: JetStream delivers a nak'd job before the newer ones)."""
+        while w.unread:
+            self.decode_q.appendleft(w.unread.pop())
+            w.held -= 1
+        if w in self.waiting:
+            self.waiting.discard(w)
+            self._feed(self.decode_q, self.hungry_decode, t)
+
     def _offer_waiting(self, v: SimEngine, t: float) -> None:
         """Decode worker `v` has room now: a job waiting unread on another worker for room there is
         handed on to the queue for it (as the real worker does when a peer's stats show room: at
@@ -612,8 +622,10 @@ class Cluster:
                 w.retired_s = t
                 self.retired.append(w)
                 excess -= 1
-            for w in sorted(serving, key=lambda w: w.num_requests + w.held)[:excess]:  # the least loaded
+            # the least loaded (a job waiting unread goes back to the queue, so it is no load to finish)
+            for w in sorted(serving, key=lambda w: w.num_requests + w.held - len(w.unread))[:excess]:
                 w.draining = True
+                self._put_back_unread(w, t)
                 self._retire_if_done(w, t)
         return True
 

@@ -451,6 +451,58 @@ def test_a_decode_job_waiting_for_room_goes_to_a_decode_worker_that_has_it_first
         stack.stop()
 
 
+def test_a_decode_job_waiting_on_a_worker_that_is_stopped_goes_to_another_at_once(tmp_path_factory):
+    """A decode worker with a 64-block KV cache decodes a 650-token document's answer; a second
+    document's job (32 blocks) comes back to it and waits for room. The worker is stopped (SIGTERM,
+    as the autoscaler removes one) and a new one started: the waiting job goes back to the decode
+    queue at once, and the new worker decodes it from its blocks in the store; the stopped worker
+    finishes its running answer and exits without waiting for the job. With a 30-s ack wait, a job
+    that was only abandoned (as before) came back 20-30 s later, and the drain held the worker its
+    whole grace period."""
+    from services.up import StackWorkers
+
+    stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "1", "--worker-arg=--num-kv-blocks=64",
+                    "--worker-arg=--ack-wait=30")
+    try:
+        results: dict[str, tuple] = {}
+        streaming = threading.Event()
+        first = threading.Thread(target=lambda: results.__setitem__("first", stream_gaps(url, doc(1, 40), 250,
+                                                                                           streaming)))
+        first.start()
+        assert streaming.wait(120), results
+        ended: dict[str, float] = {}
+
+        def second_document() -> None:
+            results["second"] = stream_gaps(url, doc(2, 30), 20)
+            ended["second"] = time.monotonic()
+
+        second = threading.Thread(target=second_document)
+        second.start()
+        log0 = stack.workdir / "decode-0.log"
+        deadline = time.monotonic() + 60
+        while not re.search(r"waits for \d+ KV blocks \(\d+ free\), its blocks in the store", log0.read_text()):
+            assert time.monotonic() < deadline and first.is_alive(), log0.read_text()[-2000:]
+            time.sleep(0.05)
+        workers = StackWorkers(stack)
+        stopped = time.monotonic()
+        workers.drain("decode", "decode-0")
+        workers.spawn("decode")
+        join_all([first, second], 120)
+        print(f"\n(usage, errors, longest wait in s): {results}")
+        assert all(errors == [] for _, errors, _ in results.values()), results
+        assert results["first"][0]["completion_tokens"] == 250 and results["second"][0]["completion_tokens"] == 20
+        assert "grace period over" not in log0.read_text(), log0.read_text()[-2000:]  # it waited for the job
+        log1 = (stack.workdir / "decode-1.log").read_text()
+        assert "took request" in log1, log1[-2000:]
+        assert results["second"][0]["cost"]["kv_bytes"] > 0  # its blocks were read, not computed again
+        # a new worker starts in ~3 s here; the job abandoned to its ack wait came 20-30 s after the stop
+        assert ended["second"] - stopped < 15, f"the document ended {ended['second'] - stopped:.1f} s after the stop"
+        assert "this worker stops; back to the decode queue" in log0.read_text(), log0.read_text()[-2000:]
+        wait_no_blocks_in_use(url, 30)
+    finally:
+        stack.stop()
+
+
 def test_a_decode_job_that_does_not_fit_beside_a_running_request_goes_to_a_worker_with_room(tmp_path_factory):
     """Two decode workers with a 48-block KV cache each. One decodes a long answer to a short prompt
     (its blocks grow to ~43); meanwhile 650-token documents (41 blocks each) arrive one after the

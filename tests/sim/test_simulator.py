@@ -656,3 +656,25 @@ def test_a_decode_job_waiting_for_room_goes_to_a_worker_that_frees_room_first():
     assert stats["waited"] == 1 and stats["handed_back"] == 3, stats
     assert finish[1] < finish[2] < finish[1] + 0.5  # decoded just after the shorter answer ended …
     assert finish[2] < finish[0] - 5  # … not after the long one
+
+
+
+def test_a_decode_job_waiting_on_a_worker_that_drains_goes_back_to_the_queue_at_once():
+    """As the real decode worker stopped while a job waits on it unread: the job goes back to the
+    front of the decode queue when the worker is told to drain, and the worker leaves when its own
+    requests end. Two 48-block workers: A decodes a long answer and a shorter one, B a shorter one;
+    a 41-block document fits beside neither and waits on B. B is drained: the document goes back,
+    to A, and waits there for room (no other worker has any); B leaves as its answer ends. (It kept
+    the document, read it then and decoded it before leaving: a drain that takes new work.)"""
+    reqs = [SimRequest(0.0, 20, 640), SimRequest(0.05, 20, 300), SimRequest(0.1, 20, 300),
+            SimRequest(3.0, 650, 5, kind="long")]
+    scaler = Scripted([(0.0, 1, 2), (4.0, 1, 1)], interval_s=0.5)
+    cluster = Cluster(PROFILE, ClusterConfig(prefill=1, decode=2, num_kv_blocks=48), scaler=scaler)
+    cluster.run(reqs, check_every=1)
+    cluster.check_invariants(final=True)
+    stats, finish = cluster.kv_stats, cluster.rec.finish_s
+    (b,) = [w for w in cluster.retired if w.role == "decode"]
+    (a,) = cluster.decode_pool
+    assert stats["waited"] == 2, stats  # on B, then on A
+    assert b.retired_s == pytest.approx(finish[1], abs=0.01)  # B left as its answer ended …
+    assert finish[3] > finish[0]  # … and the document waited on A for the long answer's blocks
