@@ -488,7 +488,8 @@ def test_a_decode_job_waiting_on_a_worker_that_is_stopped_goes_to_another_at_onc
         workers.drain("decode", "decode-0")
         workers.spawn("decode")
         join_all([first, second], 120)
-        print(f"\n(usage, errors, longest wait in s): {results}")
+        print(f"\n(usage, errors, longest wait in s): {results}\nthe document ended {ended['second'] - stopped:.2f} s "
+              f"after the stop")
         assert all(errors == [] for _, errors, _ in results.values()), results
         assert results["first"][0]["completion_tokens"] == 250 and results["second"][0]["completion_tokens"] == 20
         assert "grace period over" not in log0.read_text(), log0.read_text()[-2000:]  # it waited for the job
