@@ -453,8 +453,8 @@ class StackWorkers:
         self.stack.spawn(child.name, child.module, child.args, stage=child.stage)
         return child.name
 
-    def drain(self, kind: str, name: str) -> None:
-        self.stack.supervisor.retire(name)
+    def drain(self, kind: str, name: str, load: dict[str, float] | None = None) -> None:
+        self.stack.supervisor.retire(name)  # named by the policy: the least loaded
 
     def exited(self, name: str) -> bool:
         return not self.stack.supervisor.has(name)

@@ -104,12 +104,15 @@ class Observation:
     finished: Load = field(default_factory=Load)  # work finished in the interval (the profile sizer's mix)
     tpot_mean_s: float | None = None  # the mean time per output token of the requests finished in it
     decode_batch: float = 0.0  # sequences per decode worker at the scrape (mean over the workers)
+    load: dict[str, float] = field(default_factory=dict)  # each worker's requests (running + waiting), by instance
 
 
 class Actuator(Protocol):
     def spawn(self, kind: str) -> str: ...  # start a worker; its name
 
-    def drain(self, kind: str, name: str) -> None: ...  # SIGTERM: finish and exit
+    # SIGTERM: finish and exit; `load` (each worker's requests, by instance) steers an actuator that
+    # cannot name the one it removes (Kubernetes picks the pod)
+    def drain(self, kind: str, name: str, load: dict[str, float] | None = None) -> None: ...
 
     def exited(self, name: str) -> bool: ...
 
@@ -170,10 +173,16 @@ class Workers:
         log.info("autoscale: + %s %s (%s); now %d", kind, name, reason, len(pool.active))
         return Decision(self.interval, kind, "add", name, reason)
 
-    def _drain(self, kind: str, reason: str) -> Decision:
+    def _drain(self, kind: str, reason: str, load: dict[str, float]) -> Decision:
+        """Drain the pool's least loaded worker by the last scrape (`load`: its running and waiting
+        requests): the least to finish, and the fewest streams that might outlast the drain's grace and
+        migrate; of equals (or unseen: on Kubernetes the names are slots) the newest."""
         pool = self.pools[kind]
-        name = pool.active.pop()  # the newest: the one most likely to be lightly loaded
-        self.actuator.drain(kind, name)
+        i = min(range(len(pool.active)), key=lambda i: (load.get(pool.active[i], 0.0), -i))
+        name = pool.active.pop(i)
+        if name in load:
+            reason += f"; it holds {load[name]:g} requests"
+        self.actuator.drain(kind, name, load)
         pool.draining.append(name)
         pool.hot = pool.cold = 0
         pool.since_change = 0
@@ -213,7 +222,7 @@ class Autoscaler(Workers):
                 made.append(self._add(kind, f"hot {pool.hot} intervals (pressure {pressure[kind]:.2f})"
                                       if n >= lo else "below its minimum"))
             elif pool.cold >= self.config.down_after and n > lo:
-                made.append(self._drain(kind, f"cold {pool.cold} intervals"))
+                made.append(self._drain(kind, f"cold {pool.cold} intervals", obs.load))
         self.decisions += made
         return made
 
@@ -233,7 +242,7 @@ class Autoscaler(Workers):
 class ForecastAutoscaler(Workers):
     """The forecast policy (`--policy forecast`) on local workers: each interval the ForecastScaler
     (services/planner/forecast.py, as `pdserve planner` uses on Kubernetes) names each pool's
-    count, and workers are drained down to it, newest first, or started up to it. Drained workers
+    count, and workers are drained down to it, the least loaded first, or started up to it. Drained workers
     count against the budget until they have exited, so a pool that grows while another drains
     may get its workers an interval later."""
 
@@ -255,7 +264,7 @@ class ForecastAutoscaler(Workers):
         made = []
         for kind, n in zip(KINDS, targets):  # drains first: a pool that grows may need their budget
             while self.count(kind) > n:
-                made.append(self._drain(kind, reason))
+                made.append(self._drain(kind, reason, obs.load))
         for kind, n in zip(KINDS, targets):
             while self.count(kind) < n and self.used + self.gpus[kind] <= self.budget:
                 made.append(self._add(kind, reason))
@@ -375,11 +384,16 @@ class MetricsWatcher:
         waiting = {s: sum(v for labels, v in gauges.items() if dict(labels).get("service") == s)
                    for s in ("gateway", "decode")}
         decoding = [v for labels, v in running.items() if dict(labels).get("service") == "decode"]
+        load: dict[str, float] = {}
+        for labels, v in [*running.items(), *gauges.items()]:
+            service, instance = dict(labels).get("service"), dict(labels).get("instance")
+            if service in ("prefill", "decode", "colocated") and instance:
+                load[instance] = load.get(instance, 0.0) + v
         return Observation(requests=int(requests), ttft_p90_s=histogram_p90(ttft, {}),
                            itl_p90_s=histogram_p90(itl, {}), prefill_waiting=waiting["gateway"],
                            decode_waiting=waiting["decode"], finished=finished,
                            tpot_mean_s=tpot[0] / tpot[1] if tpot[1] > 0 else None,
-                           decode_batch=sum(decoding) / len(decoding) if decoding else 0.0)
+                           decode_batch=sum(decoding) / len(decoding) if decoding else 0.0, load=load)
 
 
 class LiveAutoscaler:

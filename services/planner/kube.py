@@ -14,13 +14,16 @@ startup ahead, plus any backlog, needs within the SLOs — sized from one pod's 
 plan` prints it) — many pods at once, where the reactive policy moves one at a time.
 
 A removal drains as a local one does: Kubernetes sends the pod it picks SIGTERM, and a worker
-stops taking jobs, finishes what it holds and exits (within terminationGracePeriodSeconds). The
+stops taking jobs, finishes what it holds and exits (within terminationGracePeriodSeconds). Which
+pod it picks the planner steers: before a scale-down it marks the pod the gateways show holding
+the fewest requests with a pod-deletion-cost of -1 (the ReplicaSet controller removes the lowest
+cost first, among pods equally ready), as `up --autoscale` drains its least loaded worker. The
 pod stays in the API with a deletionTimestamp until then, and counts against the budget until it
 is gone. A count changed outside the planner (`kubectl scale`, `kubectl apply`) is adopted at the
 next interval rather than fought.
 
 The API is spoken directly over HTTPS with the pod's service account (deploy/k8s/components/planner
-has the Role: get/patch deployments/scale, list pods), or any server and token given on the command
+has the Role: get/patch deployments/scale, list/patch pods), or any server and token given on the command
 line (`--kube-api`, `--kube-token-file`: a `kubectl proxy`, for running it from a laptop).
 """
 
@@ -46,6 +49,7 @@ from shared.sim.workload import Load
 log = logging.getLogger("pdserve.planner")
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"  # a ReplicaSet scales down the lowest first
 
 
 class KubeClient:
@@ -97,6 +101,11 @@ class KubeClient:
     def set_replicas(self, deployment: str, n: int) -> None:
         self._call("PATCH", self._scale_path(deployment), {"spec": {"replicas": n}})
 
+    def annotate_pod(self, name: str, key: str, value: str | None) -> None:
+        """Set (None: remove) one annotation of a pod."""
+        self._call("PATCH", f"/api/v1/namespaces/{self.namespace}/pods/{name}",
+                   {"metadata": {"annotations": {key: value}}})
+
     def pods(self, selector: str) -> list[dict[str, Any]]:
         query = urllib.parse.urlencode({"labelSelector": selector})
         return self._call("GET", f"/api/v1/namespaces/{self.namespace}/pods?{query}").get("items", [])
@@ -139,10 +148,32 @@ class KubeActuator:
         self._next[kind] += 1
         return name
 
-    def drain(self, kind: str, name: str) -> None:
+    def drain(self, kind: str, name: str, load: dict[str, float] | None = None) -> None:
         deployment = self.deployments[kind]
+        if load:
+            self._mark_least_loaded(deployment, load)
         n, _ = self.client.replicas(deployment)
         self.client.set_replicas(deployment, max(0, n - 1))
+
+    def _mark_least_loaded(self, deployment: str, load: dict[str, float]) -> None:
+        """Give the pod holding the fewest requests (`load`, by pod name: a worker's instance is its
+        pod's name) the lowest deletion cost, and take an earlier mark off the others. A pod the
+        gateways do not show yet (just started) holds nothing. A failed call only leaves the choice to
+        Kubernetes (the newest pods go first among equals)."""
+        try:
+            pods = [p["metadata"] for p in self.client.pods(self._selector(deployment))
+                    if not p.get("metadata", {}).get("deletionTimestamp")]
+            if not pods:
+                return
+            least = min(pods, key=lambda m: load.get(m["name"], 0.0))["name"]
+            for m in pods:
+                marked = (m.get("annotations") or {}).get(DELETION_COST)
+                if m["name"] == least and marked != "-1":
+                    self.client.annotate_pod(m["name"], DELETION_COST, "-1")
+                elif m["name"] != least and marked is not None:
+                    self.client.annotate_pod(m["name"], DELETION_COST, None)
+        except (OSError, KeyError, ValueError) as exc:
+            log.warning("planner: could not mark the least loaded %s pod (%s); Kubernetes picks", deployment, exc)
 
     def terminating(self) -> dict[str, int]:
         """Pods of each pool still terminating (draining) now."""

@@ -289,7 +289,8 @@ def test_disruption_budgets_and_autoscalers(k8s):
 def test_the_planner_may_only_scale_the_pools_and_its_flags_parse(k8s):
     """`pdserve planner` (components/planner, in both overlays): its command line parses with pdserve's
     own parser; its bounds hold the pools' starting counts; its service account can read and write
-    the pools' scale subresource, read their Deployments and list pods, nothing more."""
+    the pools' scale subresource, read their Deployments, list pods and patch them (the deletion-cost
+    mark on the least loaded pod before a scale-down), nothing more."""
     from services.cli import build_parser
     from services.planner.autoscale import limits_config
 
@@ -312,7 +313,7 @@ def test_the_planner_may_only_scale_the_pools_and_its_flags_parse(k8s):
     grants = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
               for v in rule["verbs"]}
     assert grants == {("apps", "deployments/scale", "get"), ("apps", "deployments/scale", "patch"),
-                      ("apps", "deployments", "get"), ("", "pods", "list")}
+                      ("apps", "deployments", "get"), ("", "pods", "list"), ("", "pods", "patch")}
 
 
 def test_connection_settings(k8s):

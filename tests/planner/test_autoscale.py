@@ -41,7 +41,7 @@ class FakeCluster:
         self.max_processes = max(self.max_processes, len(self.alive))
         return name
 
-    def drain(self, kind: str, name: str) -> None:
+    def drain(self, kind: str, name: str, load=None) -> None:
         assert self.alive[name]["drain_at"] is None
         self.alive[name]["drain_at"] = self.t
         self.log.append((self.t, "drain", name))
@@ -189,10 +189,27 @@ def test_metrics_watcher_reads_interval_percentiles_from_the_gateway_text():
     second = watcher.observe()  # 20 new observations: 2 ≤ 1.0 s, 18 in (1.0, 2.5]
     assert second.requests == 17 and second.ttft_p90_s == 2.5 and second.itl_p90_s is None
     assert second.decode_batch == 7
+    assert second.load == {"d0": 8}  # a worker's running and waiting requests; the gateway's are not a worker's
     # traffic stopped: the last request in flight is answered, and nothing arrived
     assert watcher.observe().requests == 0
     assert histogram_p90({1.0: 0, float("inf"): 0}, {}) is None
     assert parse_prometheus('a_b{x="1"} 2.5\nbad line') == [("a_b", {"x": "1"}, 2.5)]
+
+
+def test_a_pool_drains_its_least_loaded_worker_by_the_last_scrape():
+    """Removing a worker drains the one holding the fewest requests (the least to finish, the fewest
+    streams that might outlast the drain's grace and migrate); of equals, the newest."""
+    cluster = FakeCluster(CONFIG.interval_s)
+    cluster.spawn("decode"), cluster.spawn("decode")
+    scaler = Autoscaler(CONFIG, cluster, {"prefill": ["prefill-0"], "decode": ["decode-0", "decode-1", "decode-2"]})
+    quiet = Observation(requests=0, ttft_p90_s=None, itl_p90_s=None, prefill_waiting=0, decode_waiting=0,
+                        load={"decode-0": 0, "decode-1": 3, "decode-2": 5})
+    made = [d for _ in range(CONFIG.down_after) for d in scaler.step(quiet)]
+    assert [(d.kind, d.name) for d in made] == [("decode", "decode-0")], made
+    assert made[0].reason.endswith("it holds 0 requests")
+    even = replace(quiet, load={"decode-1": 2, "decode-2": 2})
+    made = [d for _ in range(CONFIG.down_after) for d in scaler.step(even)]
+    assert [d.name for d in made] == ["decode-2"]  # of equals the newest
 
 
 class SpawnOnly:
@@ -205,7 +222,7 @@ class SpawnOnly:
         self.spawned.append(kind)
         return f"{kind}-{len(self.spawned)}"
 
-    def drain(self, kind, name):
+    def drain(self, kind, name, load=None):
         raise AssertionError("no drain expected")
 
     def exited(self, name):

@@ -18,7 +18,7 @@ import pytest
 
 from services.planner.autoscale import AutoscaleConfig, MetricsWatcher
 from services.planner.forecast import Capacity, ForecastScaler
-from services.planner.kube import KubeActuator, KubeClient, KubePlanner
+from services.planner.kube import DELETION_COST, KubeActuator, KubeClient, KubePlanner
 from shared.transport.servers import free_port
 
 TOKEN = "sa-token"
@@ -75,6 +75,16 @@ class StandInKube:
                     if parts[:6] == ["apis", "apps", "v1", "namespaces", NS, "deployments"] and len(parts) == 7 \
                             and parts[6] in stand_in.replicas and method == "GET":
                         return self._send(200, stand_in.deployment(parts[6]))
+                    if parts[:5] == ["api", "v1", "namespaces", NS, "pods"] and len(parts) == 6 and method == "PATCH":
+                        assert self.headers["Content-Type"] == "application/merge-patch+json"
+                        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                        pod = stand_in.pod(parts[5])
+                        if pod is None:
+                            return self._send(404, {"kind": "Status", "code": 404})
+                        notes = pod["metadata"].setdefault("annotations", {})
+                        for key, value in body["metadata"]["annotations"].items():  # merge patch: null removes
+                            notes.pop(key, None) if value is None else notes.__setitem__(key, value)
+                        return self._send(200, pod)
                     if parts == ["api", "v1", "namespaces", NS, "pods"] and method == "GET":
                         selector = urllib.parse.parse_qs(url.query)["labelSelector"][0]
                         d = selector.split("=", 1)[1]
@@ -102,11 +112,18 @@ class StandInKube:
         return {"metadata": {"name": f"{d}-{self.serial}", "labels": {"app.kubernetes.io/component": d}},
                 "status": {"podIP": ip, "phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}
 
+    def pod(self, name: str) -> dict | None:
+        return next((p for pods in self.pods.values() for p in pods if p["metadata"]["name"] == name), None)
+
     def _reconcile(self, d: str) -> None:
+        """As a ReplicaSet: a scale-down removes (of pods equally ready) the lowest pod-deletion-cost
+        first (none: 0), then the newest."""
         live = [p for p in self.pods[d] if "deletionTimestamp" not in p["metadata"]]
         for _ in range(self.replicas[d] - len(live)):
             self.pods[d].append(self._pod(d))
-        for pod in reversed(live[self.replicas[d]:] if len(live) > self.replicas[d] else []):
+        ranked = sorted(enumerate(live), key=lambda ip: (int(ip[1]["metadata"].get("annotations", {}).get(
+            DELETION_COST, 0)), -ip[0]))
+        for _, pod in ranked[:max(0, len(live) - self.replicas[d])]:
             pod["metadata"]["deletionTimestamp"] = "2026-12-04T00:00:00Z"  # SIGTERM sent: draining
 
     def exit_terminating(self) -> None:
@@ -136,6 +153,7 @@ class Gateway:
         self.requests = self.waiting = self.count_itl = self.count_ttft = 0
         self.prompt_tokens = self.output_tokens = self.prefill_s = self.tpot_sum = 0.0
         self.decoding = 0  # sequences each decode worker holds, as the gauges say
+        self.running: dict[str, int] = {}  # more decode workers' gauges: requests running, by pod name
         self.itl, self.ttft = dict.fromkeys(self.BUCKETS, 0), dict.fromkeys(self.BUCKETS, 0)
         gw = self
 
@@ -179,6 +197,8 @@ class Gateway:
                  f"pdserve_prefill_seconds_total {self.prefill_s}",
                  f'gen_ai_server_time_per_output_token_seconds_sum{{gen_ai_operation_name="chat"}} {self.tpot_sum}',
                  f'gen_ai_server_time_per_output_token_seconds_count{{gen_ai_operation_name="chat"}} {self.requests}']
+        lines += [f'pdserve_requests_running{{service="decode",instance="{pod}"}} {n}'
+                  for pod, n in self.running.items()]
         for name, hist, total in (("pdserve_inter_token_latency_seconds", self.itl, self.count_itl),
                                   ("pdserve_time_to_first_token_seconds", self.ttft, self.count_ttft)):
             lines += [f'{name}_bucket{{le="{b}"}} {c}' for b, c in hist.items()]
@@ -249,6 +269,30 @@ def test_decisions_become_replica_counts_within_the_budget_and_drains_finish_fir
         assert len(planner_pools["decode"].active) == 3 and kube.replicas["decode"] == 3
     interval()  # then judged like any count: cold, so back towards the minimum
     assert kube.replicas["decode"] == 2
+
+
+def test_a_scale_down_removes_the_pod_holding_the_fewest_requests(system):
+    """Kubernetes, not the planner, picks the pod a scale-down removes (the newest, of pods equally
+    ready): before scaling down the planner gives the pod the gateways show holding the fewest
+    requests the lowest pod-deletion-cost, and takes an earlier mark off another."""
+    kube, gateways, client, port = system
+    kube.scale_outside("decode", 3)
+    oldest, middle, newest = (p["metadata"]["name"] for p in kube.pods["decode"])
+    client.annotate_pod(middle, DELETION_COST, "-1")  # left by an earlier scale-down that was undone
+    for g in gateways:
+        g.running = {oldest: 0, middle: 4, newest: 2}
+    clock = [0.0]
+    planner = KubePlanner(CONFIG, KubeActuator(client, {"prefill": "prefill", "decode": "decode"}), "gateway", port,
+                          clock=lambda: clock[0])
+    for _ in range(CONFIG.down_after + 1):  # the baseline, then no traffic: cold
+        planner.tick()
+        clock[0] += CONFIG.interval_s
+    assert kube.replicas["decode"] == 2
+    assert [p["metadata"]["name"] for p in kube.pods["decode"] if "deletionTimestamp" in p["metadata"]] == [oldest]
+    assert {p["metadata"]["name"]: p["metadata"].get("annotations", {}).get(DELETION_COST)
+            for p in kube.pods["decode"]} == {oldest: "-1", middle: None, newest: None}
+    (decision,) = planner.live.autoscaler.decisions
+    assert decision.action == "drain" and decision.kind == "decode"
 
 
 def test_gateways_are_scraped_one_by_one_and_summed():

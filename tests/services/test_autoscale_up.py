@@ -72,13 +72,15 @@ def test_under_load_a_decode_worker_is_added_then_drained_when_traffic_stops(tmp
             assert core_shares(tmp_path) == {0: FAIR, 1: FAIR, 3: FAIR}
         assert not errors, errors[:3]
         assert answers and all(a["choices"][0]["message"]["content"] for a in answers)
-        # traffic stopped: cold for down_after intervals → the newest decode worker drains and exits
+        # traffic stopped: cold for down_after intervals → the least loaded decode worker drains and exits
         wait_for(lambda: "decode-1 retired" in up.log(), "decode-1 to be drained and retired", 60)
         wait_for(lambda: workers(up.url) == {"prefill-0", "decode-0"}, "decode-1 to leave the router", 30)
         assert core_shares(tmp_path) == {0: FAIR, 1: FAIR}  # its slot freed: its cores are the others' again
         log = up.log()
         decisions = re.findall(r"autoscale: ([+-]) (\w+) (\S+)", log)
         assert decisions == [("+", "decode", "decode-1"), ("-", "decode", "decode-1")], decisions
+        # of the two idle decode workers the newest, chosen by the load the gateway's metrics showed for each
+        assert re.search(r"- decode decode-1 draining \(cold \d+ intervals; it holds 0 requests\)", log), log[-3000:]
         assert "draining" in (tmp_path / "decode-1.log").read_text()
         # still serving with the minimum
         assert ask(up.url, "What is the capital of France?")["choices"][0]["message"]["content"]
