@@ -24,7 +24,10 @@ flip between two counts; a brief dip does not drain workers the next minute need
 declines beyond chance (4 intervals or more on a line within their noise, falling by more than 3
 standard errors: not a dip, nor a step down that a line would carry on), after `down_after_falling`:
 on the planning study's daily swing, holding a declining pool three intervals longer cost ~3% of
-the hour's GPU time (BENCHMARKS.md). Bounds: each
+the hour's GPU time (BENCHMARKS.md). A decline once seen holds while the slope does (its points may
+stray from the line: a decline that levels off bends), and a forecast raised by a bend towards the
+turn is followed down too: until 2026-12-07 either ended the decline, for noise or for the bend, and
+the pools waited their three intervals again (1.5% of the study's GPU time). Bounds: each
 pool within [min, max], both within the budget (if the forecast exceeds it, both pools get their
 share of the budget and the SLOs are at risk, which the run reports). The budget is in `gpus`: what
 a worker of each pool holds (a TP4 prefill pod 4, a TP8 decode pod 8), or 1 each, counting workers.
@@ -316,8 +319,9 @@ class ForecastScaler:
         noise is what makes a predictive planner oscillate. A falling line is read at the next
         interval's start, where a worker removed now is first missed; a rising one a startup and an
         interval past the last observed. With `curvature`, raised where the load bends upwards
-        (`_turning_up`). Sets `falling`: the pools may shrink without waiting (`down_after_falling`)."""
-        ys = self._window()
+        (`_turning_up`): the pools then shrink to the bend's forecast, not below it. Sets `falling`:
+        the pools may shrink without waiting (`down_after_falling`)."""
+        ys, was_falling = self._window(), self.falling
         if len(ys) < 2:
             self.falling = False
             return ys[-1] if ys else 0.0
@@ -328,8 +332,9 @@ class ForecastScaler:
         resid = sum((y - my - slope * (i - mx)) ** 2 for i, y in enumerate(ys)) / (n - 2) if n > 2 else 0.0
         poisson = my / self.interval_s
         se = math.sqrt(max(resid, poisson) / sxx)  # the slope's standard error
-        # a decline, not a step down or a dip: 4 intervals or more, on the line within the noise
-        self.falling = n >= 4 and resid <= 2 * poisson and slope < -self.FALL_Z * se
+        # a decline, not a step down or a dip: 4 intervals or more, on the line within the noise; once
+        # seen, it holds while the slope does (a decline that levels off towards a turn is no line)
+        self.falling = n >= 4 and (resid <= 2 * poisson or was_falling) and slope < -self.FALL_Z * se
         if abs(slope) < 2 * se:
             slope = 0.0
         ahead = (self.startup_s + self.interval_s) / self.interval_s  # intervals past the last observed one
@@ -337,10 +342,7 @@ class ForecastScaler:
         if not self.curvature or any(y == 0 for y in ys):  # (the traffic stopped: nothing turns up)
             return line
         longer = [k / dt for k, dt in list(self.arrivals)[-2 * self.history:]]
-        bend = self._turning_up(longer if len(longer) > n else ys, ahead)
-        if bend > 0:  # a decline that levels off towards a turn: no prompt shrinking
-            self.falling = False
-        return max(line, bend)
+        return max(line, self._turning_up(longer if len(longer) > n else ys, ahead))
 
     def _turning_up(self, ys: list[float], ahead: float) -> float:
         """With `curvature`: where the rates of the last 2·`history` intervals bend upwards beyond

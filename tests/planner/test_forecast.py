@@ -140,6 +140,34 @@ def test_a_decline_beyond_chance_shrinks_the_pools_at_once_a_dip_does_not():
     assert dip.lower[0] and not dip.falling and wants[-1] == wants[-2]  # it wants fewer, and waits for 2 more
 
 
+def test_a_decline_stays_a_decline_through_noise_and_its_bend_towards_the_trough():
+    """The planning study's trace (±50% over the hour at 240 req/s on average): from its peak to its
+    trough the pool follows the forecast each interval. Its rates stray from a line as the decline
+    steepens and then levels off, and the bend of the trough's turn raises the forecast: either
+    ended the decline, and the pool waited three intervals before each step down (here the last 7
+    minutes before the trough, 7-21 workers above what it wanted, up to ~10%)."""
+    import itertools
+    import random
+
+    rng, t, per_minute = random.Random(0), 0.0, [0] * 46
+    while True:
+        t += rng.expovariate(240 * (1 + 0.5 * math.sin(2 * math.pi * t / 3600)))
+        if t >= 2700:  # the trough
+            break
+        per_minute[int(t // 60) + 1] += 1
+    arrived = list(itertools.accumulate(per_minute))  # by the end of each minute
+    s = ForecastScaler(Capacity(1.0, 1.0), interval_s=60, startup_s=120, headroom=0.0, current=[360, 360],
+                       max_workers=(1000, 1000), budget=2000)
+    held, seen = [], False
+    for k in range(46):
+        t = 60.0 * k
+        have = s.targets(t, arrived[k])[0]
+        seen = seen or s.falling
+        if seen and t > 1200:  # the decline, once seen
+            held.append(have - math.ceil(s.forecast() - 1e-9))
+    assert seen and held and max(held) <= 1, held
+
+
 def test_bounds_and_budget():
     s = ForecastScaler(Capacity(1.0, 1.0), interval_s=10, startup_s=0, headroom=0.0, min_workers=(2, 1),
                        max_workers=(50, 8), budget=40, current=[2, 1])
