@@ -50,6 +50,7 @@ log = logging.getLogger("pdserve.planner")
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"  # a ReplicaSet scales down the lowest first
+MARK_FRESH_S = 30.0  # a pod marked this recently is being removed; an older mark on a running pod is stale
 
 
 class KubeClient:
@@ -125,6 +126,7 @@ class KubeActuator:
         self.client, self.deployments = client, deployments
         self._next = {kind: 0 for kind in deployments}
         self._selectors: dict[str, str] = {}
+        self._marked: dict[str, float] = {}  # pods this planner gave the lowest deletion cost: when
 
     def _selector(self, deployment: str) -> str:
         """A Deployment's pod label selector (asked once: it does not change)."""
@@ -157,21 +159,25 @@ class KubeActuator:
 
     def _mark_least_loaded(self, deployment: str, load: dict[str, float]) -> None:
         """Give the pod holding the fewest requests (`load`, by pod name: a worker's instance is its
-        pod's name) the lowest deletion cost, and take an earlier mark off the others. A pod the
-        gateways do not show yet (just started) holds nothing. A failed call only leaves the choice to
-        Kubernetes (the newest pods go first among equals)."""
+        pod's name) the lowest deletion cost. A pod marked by this planner within the last
+        MARK_FRESH_S is on its way out (several drains in one interval mark one pod each); an older
+        mark on a pod still running is stale (its scale-down was undone) and is taken off. A pod
+        the gateways do not show yet (just started) holds nothing. A failed call only leaves the
+        choice to Kubernetes (the newest pods go first among equals)."""
+        now = time.monotonic()
         try:
             pods = [p["metadata"] for p in self.client.pods(self._selector(deployment))
                     if not p.get("metadata", {}).get("deletionTimestamp")]
-            if not pods:
-                return
-            least = min(pods, key=lambda m: load.get(m["name"], 0.0))["name"]
+            going = {name for name, at in self._marked.items() if now - at < MARK_FRESH_S}
             for m in pods:
-                marked = (m.get("annotations") or {}).get(DELETION_COST)
-                if m["name"] == least and marked != "-1":
-                    self.client.annotate_pod(m["name"], DELETION_COST, "-1")
-                elif m["name"] != least and marked is not None:
+                if m["name"] not in going and (m.get("annotations") or {}).get(DELETION_COST) is not None:
                     self.client.annotate_pod(m["name"], DELETION_COST, None)
+            left = [m for m in pods if m["name"] not in going]
+            if left:
+                least = min(left, key=lambda m: load.get(m["name"], 0.0))["name"]
+                self.client.annotate_pod(least, DELETION_COST, "-1")
+                self._marked[least] = now
+            self._marked = {n: at for n, at in self._marked.items() if now - at < MARK_FRESH_S}
         except (OSError, KeyError, ValueError) as exc:
             log.warning("planner: could not mark the least loaded %s pod (%s); Kubernetes picks", deployment, exc)
 

@@ -36,6 +36,7 @@ class StandInKube:
         self.pods: dict[str, list[dict]] = {d: [] for d in replicas}
         self.patches: list[tuple[str, int]] = []
         self.serial = 0
+        self.lazy = False  # True: a scale takes effect at `settle()`, as a ReplicaSet acts after the write
         for d in replicas:
             self._reconcile(d)
         self.pods["gateway"] = [self._pod("gateway", ip) for ip in gateway_ips]
@@ -68,7 +69,8 @@ class StandInKube:
                             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                             stand_in.replicas[d] = body["spec"]["replicas"]
                             stand_in.patches.append((d, body["spec"]["replicas"]))
-                            stand_in._reconcile(d)
+                            if not stand_in.lazy:
+                                stand_in._reconcile(d)
                         return self._send(200, {"kind": "Scale", "spec": {"replicas": stand_in.replicas[d]},
                                                 "status": {"replicas": stand_in.replicas[d],
                                                            "selector": f"app.kubernetes.io/component={d}"}})
@@ -125,6 +127,12 @@ class StandInKube:
             DELETION_COST, 0)), -ip[0]))
         for _, pod in ranked[:max(0, len(live) - self.replicas[d])]:
             pod["metadata"]["deletionTimestamp"] = "2026-12-04T00:00:00Z"  # SIGTERM sent: draining
+
+    def settle(self) -> None:
+        with self.lock:
+            for d in self.pods:
+                if d != "gateway":
+                    self._reconcile(d)
 
     def exit_terminating(self) -> None:
         with self.lock:
@@ -293,6 +301,23 @@ def test_a_scale_down_removes_the_pod_holding_the_fewest_requests(system):
             for p in kube.pods["decode"]} == {oldest: "-1", middle: None, newest: None}
     (decision,) = planner.live.autoscaler.decisions
     assert decision.action == "drain" and decision.kind == "decode"
+
+
+def test_several_pods_drained_at_once_are_the_least_loaded_ones(system):
+    """Two scale-downs before the ReplicaSet acts on the first (the forecast policy drains several
+    pods in one interval): each marks another pod, the least loaded of those not already marked."""
+    kube, _, client, _ = system
+    kube.scale_outside("decode", 4)
+    names = [p["metadata"]["name"] for p in kube.pods["decode"]]
+    load = dict(zip(names, (5, 0, 1, 3)))  # the newest is not among the two least loaded
+    actuator = KubeActuator(client, {"prefill": "prefill", "decode": "decode"})
+    kube.lazy = True
+    actuator.drain("decode", "decode/3", load)
+    actuator.drain("decode", "decode/2", load)
+    kube.settle()
+    assert kube.replicas["decode"] == 2
+    assert {p["metadata"]["name"] for p in kube.pods["decode"] if "deletionTimestamp" in p["metadata"]} == \
+        {names[1], names[2]}
 
 
 def test_gateways_are_scraped_one_by_one_and_summed():
