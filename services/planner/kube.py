@@ -50,6 +50,7 @@ log = logging.getLogger("pdserve.planner")
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"  # a ReplicaSet scales down the lowest first
+MARK = "-1"  # this planner's mark: below the 0 of a pod without one
 MARK_FRESH_S = 30.0  # a pod marked this recently is being removed; an older mark on a running pod is stale
 
 
@@ -169,13 +170,13 @@ class KubeActuator:
             pods = [p["metadata"] for p in self.client.pods(self._selector(deployment))
                     if not p.get("metadata", {}).get("deletionTimestamp")]
             going = {name for name, at in self._marked.items() if now - at < MARK_FRESH_S}
-            for m in pods:
-                if m["name"] not in going and (m.get("annotations") or {}).get(DELETION_COST) is not None:
+            for m in pods:  # stale marks off (this planner's only: a cost set by someone else stays)
+                if m["name"] not in going and (m.get("annotations") or {}).get(DELETION_COST) == MARK:
                     self.client.annotate_pod(m["name"], DELETION_COST, None)
             left = [m for m in pods if m["name"] not in going]
             if left:
                 least = min(left, key=lambda m: load.get(m["name"], 0.0))["name"]
-                self.client.annotate_pod(least, DELETION_COST, "-1")
+                self.client.annotate_pod(least, DELETION_COST, MARK)
                 self._marked[least] = now
             self._marked = {n: at for n, at in self._marked.items() if now - at < MARK_FRESH_S}
         except (OSError, KeyError, ValueError) as exc:
