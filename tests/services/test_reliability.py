@@ -365,6 +365,17 @@ def test_a_request_waiting_for_a_busy_decode_pool_waits_instead_of_timing_out(tm
         stack.stop()
 
 
+def first_answer_streaming(url: str, results: dict, content: str, max_tokens: int) -> threading.Thread:
+    """Stream `content`'s answer in a thread into results["first"]; returns the thread once the
+    answer is streaming."""
+    streaming = threading.Event()
+    first = threading.Thread(target=lambda: results.__setitem__("first", stream_gaps(url, content, max_tokens,
+                                                                                       streaming)))
+    first.start()
+    assert streaming.wait(120), results
+    return first
+
+
 def doc(i: int, lines: int) -> str:
     return f"Document {i}. " + " ".join(f"Line {k}: the fox {i} jumps over dog {k * i}." for k in range(lines))
 
@@ -378,11 +389,7 @@ def test_a_decode_job_whose_prompt_does_not_fit_yet_waits_for_room(tmp_path_fact
     stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "1", "--worker-arg=--num-kv-blocks=64")
     try:
         results: dict[str, tuple] = {}
-        streaming = threading.Event()
-        first = threading.Thread(target=lambda: results.__setitem__("first", stream_gaps(url, doc(1, 40), 250,
-                                                                                           streaming)))
-        first.start()
-        assert streaming.wait(120), results
+        first = first_answer_streaming(url, results, doc(1, 40), 250)
         results["second"] = stream_gaps(url, doc(2, 30), 20)
         join_all([first], 120)
         print(f"\n(usage, errors, longest wait in s): {results}")
@@ -465,11 +472,7 @@ def test_a_decode_job_waiting_on_a_worker_that_is_stopped_goes_to_another_at_onc
                     "--worker-arg=--ack-wait=30")
     try:
         results: dict[str, tuple] = {}
-        streaming = threading.Event()
-        first = threading.Thread(target=lambda: results.__setitem__("first", stream_gaps(url, doc(1, 40), 250,
-                                                                                           streaming)))
-        first.start()
-        assert streaming.wait(120), results
+        first = first_answer_streaming(url, results, doc(1, 40), 250)
         ended: dict[str, float] = {}
 
         def second_document() -> None:
