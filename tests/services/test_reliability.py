@@ -468,8 +468,10 @@ def test_a_decode_job_waiting_on_a_worker_that_is_stopped_goes_to_another_at_onc
     whole grace period."""
     from services.up import StackWorkers
 
+    # no drafts: the answer takes a step a token, so it still runs when the document's job has come
+    # back and waits (with them its 250 tokens took ~2 s, the document's prefill ~1.3 s)
     stack, url = up(tmp_path_factory, "--prefill", "1", "--decode", "1", "--worker-arg=--num-kv-blocks=64",
-                    "--worker-arg=--ack-wait=30")
+                    "--worker-arg=--ack-wait=30", "--worker-arg=--speculative=off")
     try:
         results: dict[str, tuple] = {}
         first = first_answer_streaming(url, results, doc(1, 40), 250)
