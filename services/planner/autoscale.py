@@ -203,12 +203,11 @@ class Autoscaler(Workers):
         ttft = (obs.ttft_p90_s or 0.0) / cfg.slo_ttft_p90_s
         itl = (obs.itl_p90_s or 0.0) / cfg.slo_itl_p90_s
         if cfg.colocated:  # the engine workers do both: the worse of the two, every request waiting
-            pressure = {"prefill": self._pressure("prefill", 0.0, 0.0, obs.requests),
-                        "decode": self._pressure("decode", max(ttft, itl), obs.prefill_waiting + obs.decode_waiting,
-                                                 obs.requests)}
+            pressure = {"prefill": self._pressure("prefill", 0.0, 0.0),
+                        "decode": self._pressure("decode", max(ttft, itl), obs.prefill_waiting + obs.decode_waiting)}
         else:
-            pressure = {"prefill": self._pressure("prefill", ttft, obs.prefill_waiting, obs.requests),
-                        "decode": self._pressure("decode", itl, obs.decode_waiting, obs.requests)}
+            pressure = {"prefill": self._pressure("prefill", ttft, obs.prefill_waiting),
+                        "decode": self._pressure("decode", itl, obs.decode_waiting)}
         made = []
         # the pool further over its SLO gets a free budget slot first
         for kind in sorted(KINDS, key=lambda k: -pressure[k]):
@@ -226,14 +225,16 @@ class Autoscaler(Workers):
         self.decisions += made
         return made
 
-    def _pressure(self, kind: str, over: float, waiting: float, requests: int) -> float:
-        """Updates the pool's hot/cold streaks from `over` (its p90 / its SLO); returns how far over
-        it is, queue included (for priority)."""
+    def _pressure(self, kind: str, over: float, waiting: float) -> float:
+        """Updates the pool's hot/cold streaks from `over` (its p90 / its SLO, 0 with no samples);
+        returns how far over it is, queue included (for priority). An interval with no arrivals is
+        not cold by that alone: streams that began before it still run, and their ITL may miss the
+        SLO. No traffic at all has no samples: over 0, cold."""
         pool, cfg = self.pools[kind], self.config
         n = max(1, len(pool.active))
         queued = waiting > cfg.queue_per_worker * n
         hot = over > 1.0 or queued
-        cold = (requests == 0 and waiting == 0) or (over < cfg.low_water and waiting == 0)
+        cold = over < cfg.low_water and waiting == 0
         pool.hot = pool.hot + 1 if hot else 0
         pool.cold = pool.cold + 1 if cold else 0
         return over + (waiting / n if queued else 0.0)

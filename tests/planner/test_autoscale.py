@@ -116,6 +116,19 @@ def test_step_up_steady_then_traffic_stops():
         assert actions == sorted(actions, key=lambda a: a == "drain"), actions
 
 
+def test_streams_that_miss_the_slo_keep_their_pool_though_nothing_new_arrives():
+    """Long streams, all begun before: intervals with no arrivals but ITL over the SLO are hot, never
+    cold — the pool at its maximum keeps its workers (it once drained one under load: CI, stop 49)."""
+    hands = SpawnOnly()
+    scaler = Autoscaler(CONFIG, hands, {"prefill": ["prefill-0"], "decode": [f"decode-{i}" for i in range(4)]})
+    streaming = Observation(requests=0, ttft_p90_s=None, itl_p90_s=2 * CONFIG.slo_itl_p90_s, prefill_waiting=0,
+                            decode_waiting=0)
+    assert not [d for _ in range(3 * CONFIG.down_after) for d in scaler.step(streaming)]
+    assert scaler.count("decode") == 4
+    # the prefill pool, with nothing to do, is cold as ever (at its minimum: nothing to drain)
+    assert scaler.pools["prefill"].cold == 3 * CONFIG.down_after
+
+
 def test_a_budget_of_gpus_weighs_each_pool_s_workers():
     """A TP4 prefill worker holds 4 of a 24-GPU budget, a TP8 decode worker 8: under a load both
     pools miss, 1 + 1 (12 GPUs) grows to what fits — never past 24, draining workers included."""

@@ -78,7 +78,8 @@ def test_under_load_a_decode_worker_is_added_then_drained_when_traffic_stops(tmp
         assert core_shares(tmp_path) == {0: FAIR, 1: FAIR}  # its slot freed: its cores are the others' again
         log = up.log()
         decisions = re.findall(r"autoscale: ([+-]) (\w+) (\S+)", log)
-        assert decisions == [("+", "decode", "decode-1"), ("-", "decode", "decode-1")], decisions
+        assert decisions == [("+", "decode", "decode-1"), ("-", "decode", "decode-1")], \
+            re.findall(r"autoscale: .*", log)
         # of the two idle decode workers the newest, chosen by the load the gateway's metrics showed for each
         assert re.search(r"- decode decode-1 draining \(cold \d+ intervals; it holds 0 requests\)", log), log[-3000:]
         assert "draining" in (tmp_path / "decode-1.log").read_text()
