@@ -27,8 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing
+import os
 import sys
 from collections.abc import Callable, Mapping
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -39,6 +42,28 @@ from shared.sim.cost import Profile, load_profile
 from shared.sim.workload import Load, Mix
 
 log = logging.getLogger("pdserve.plan")
+_forked: Callable[[Any], Any] | None = None  # what fork_map's worker processes call
+
+
+def _call_forked(x: Any) -> Any:
+    assert _forked is not None
+    return _forked(x)
+
+
+def fork_map(fn: Callable[[Any], Any], items, jobs: int) -> list:
+    """[fn(x) for x in items], in up to `jobs` forked processes at once: each inherits this process
+    (`fn` may be a bound method or closure: nothing but the items and results is pickled)."""
+    global _forked
+    items = list(items)
+    jobs = max(1, min(jobs, len(items)))
+    if jobs == 1:
+        return [fn(x) for x in items]
+    _forked = fn
+    try:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            return list(pool.map(_call_forked, items))
+    finally:
+        _forked = None
 
 
 @dataclass(frozen=True)
@@ -286,16 +311,41 @@ class Planner:
         n = self.smallest(lambda k: replace(base, decode=k), lambda t: t.meets(self.spec), self.spec.budget)
         return None if n is None else self.trial(replace(base, decode=n))
 
-    def plan(self) -> dict[str, Any]:
-        best: list[Trial] = []
+    def searches(self) -> list[tuple[str, tuple]]:
+        """The independent searches of a plan, as (method, its arguments): per chunk budget, each
+        disaggregated pairing and prefill depth, and each other mode."""
+        out: list[tuple[str, tuple]] = []
         for chunk in self.spec.chunk_budgets:
             for mode in self.spec.modes:
                 if mode == "disaggregated":
-                    found = [self.plan_disaggregated(chunk, pp, inflight, dp) for pp, dp in self.pairings()
-                             for inflight in self.spec.prefill_inflights]
+                    out += [("plan_disaggregated", (chunk, pp, inflight, dp)) for pp, dp in self.pairings()
+                            for inflight in self.spec.prefill_inflights]
                 else:
-                    found = [self.plan_single_pool(mode, chunk)]
-                best += [t for t in found if t is not None and self.spec.within(t.gpus)]
+                    out.append(("plan_single_pool", (mode, chunk)))
+        return out
+
+    def _search(self, i: int) -> tuple[Trial | None, dict, dict]:
+        """Search `i` of `searches()` alone, in a forked worker process: what it found, every trial it
+        ran (with those the planner held before), what the profile sizer said where it began."""
+        method, args = self.searches()[i]
+        self.sized = {}
+        return getattr(self, method)(*args), self.trials, self.sized
+
+    def plan(self, jobs: int = 1) -> dict[str, Any]:
+        """The cheapest configuration found, its runner-ups and the rejected ones. `jobs` > 1: the
+        searches run in that many processes at once (fork_map), their trials merged in the searches'
+        order — the answer is the one a single process gives."""
+        searches = self.searches()
+        if min(jobs, len(searches)) <= 1:
+            found = [getattr(self, method)(*args) for method, args in searches]
+        else:
+            found = []
+            for trial, trials, sized in fork_map(self._search, range(len(searches)), jobs):
+                found.append(trial)
+                for key, t in trials.items():
+                    self.trials.setdefault(key, t)
+                self.sized.update(sized)
+        best: list[Trial] = [t for t in found if t is not None and self.spec.within(t.gpus)]
         best.sort(key=lambda t: (t.gpus, -(t.goodput or 0)))
         feasible_ids = {id(t) for t in best}
         tried = sorted((t for t in self.trials.values() if t.config.shared_cores), key=lambda t: t.gpus)
@@ -338,6 +388,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="the SLOs' other form: at least PCT%% of requests within the TTFT SLO, within the TPOT one "
                         "(--slo-tpot-ms, else the ITL one) and within both (default: the p90s)")
     p.add_argument("--json", default=None, help="write the plan here ('-': stdout)")
+    p.add_argument("--jobs", type=_positive_int, default=len(os.sched_getaffinity(0)), metavar="N",
+                   help="searches run at once, each in a process of its own: each mode, pairing of profiles, "
+                        "chunk budget and prefill depth is one (default: the cores this process may use)")
     p.add_argument("--kustomize", default=None, metavar="DIR",
                    help="also write a kustomize overlay deploying the recommended configuration on Kubernetes "
                         "(kubectl apply -k DIR): pools, chunk budget, mode and `pdserve planner`'s flags")
@@ -368,6 +421,13 @@ COLOCATED_ON_CPU = ("the simulator's colocated mode is calibrated on a disaggreg
                     "colocated engines simulated within 25% of real runs, one engine at chat near its capacity "
                     "within 10% on TTFT and 10-50% slow on ITL and E2E (a plan may ask for one engine more than "
                     "needed): check this answer with pdserve bench")
+
+
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
 
 
 def add_caveat(result: dict[str, Any], lines: list[str], profile: Profile) -> None:
@@ -410,7 +470,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return cmd_plan_forecast(args, profile, spec, prefill_profiles, decode_profiles)
     reqs = request_list(args)
     result = Planner(profile, spec, lambda: [replace(r) for r in reqs], args.slo_tpot_ms, prefill_profiles,
-                     decode_profiles).plan()
+                     decode_profiles).plan(args.jobs)
     rec = result["recommended"]
     result["tokens_per_event"] = profile.tokens_per_event  # the acceptance its decode steps were timed at
     gpus = f" and {spec.gpu_budget:g} GPUs" if spec.gpu_budget is not None else ""

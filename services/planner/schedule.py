@@ -258,7 +258,7 @@ def forecast_arrivals(args, warp: Warp, trace: list[SimRequest] | None) -> list[
 
 def plan_forecast(args, profile: Profile, spec, prefill_profiles: dict[str, Profile],
                   decode_profiles: dict[str, Profile]) -> dict[str, Any]:
-    from services.planner.plan import Planner
+    from services.planner.plan import Planner, fork_map
 
     periods, is_clock = read_forecast(args.forecast)
     tz = getattr(args, "timezone", None)
@@ -271,7 +271,9 @@ def plan_forecast(args, profile: Profile, spec, prefill_profiles: dict[str, Prof
         raise ValueError("give --duration (or --num-requests): the window each rate is searched on")
     plans: dict[float, dict[str, Any] | None] = {}
 
-    def plan_at(rate: float, shape: dict[str, Any] | None) -> dict[str, Any] | None:
+    jobs = getattr(args, "jobs", 1)
+
+    def plan_at(rate: float, shape: dict[str, Any] | None, jobs: int = 1) -> dict[str, Any] | None:
         if rate not in plans:
             s, pre, dec, pairings = spec, prefill_profiles, decode_profiles, None
             if shape is not None:  # the busiest period's shape: only the pools' sizes are searched
@@ -281,16 +283,19 @@ def plan_forecast(args, profile: Profile, spec, prefill_profiles: dict[str, Prof
             reqs = _requests_at(args, rate, trace)
             log.info("planning %.4g req/s (%d requests)", rate, len(reqs))
             plans[rate] = Planner(profile, s, lambda: [replace(r) for r in reqs], args.slo_tpot_ms, pre, dec,
-                                  pairings=pairings).plan()["recommended"]
+                                  pairings=pairings).plan(jobs)["recommended"]
         return plans[rate]
 
     peak_rate = max(p.rate for p in periods)
-    peak = plan_at(peak_rate, None)
+    peak = plan_at(peak_rate, None, jobs)  # its searches at once
     if peak is None:
         return {"forecast": args.forecast, "peak_rate": peak_rate, "recommended": None,
                 "why": f"no configuration within the budget ({spec.budget} workers"
                        + (f", {spec.gpu_budget:g} GPUs" if spec.gpu_budget is not None else "")
                        + f") meets the SLOs at {peak_rate:g} req/s"}
+    # every other rate, each a search of the peak's shape: the rates at once
+    rates = sorted({p.rate for p in periods if p.rate > 0 and p.rate not in plans})
+    plans.update(zip(rates, fork_map(lambda rate: plan_at(rate, peak), rates, jobs)))
     per_worker = _gpus_per_worker(peak, profile, prefill_profiles, decode_profiles)
     rows = []
     for p in periods:

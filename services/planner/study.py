@@ -50,13 +50,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from services.planner.forecast import Capacity, ForecastScaler, ProfileSizer
-from services.planner.plan import Planner, PlanSpec, pool_profiles
+from services.planner.plan import Planner, PlanSpec, fork_map, pool_profiles
 from services.planner.schedule import ScheduleScaler
 from shared.sim.cluster import ClusterConfig, simulate
 from shared.sim.cost import load_profile
@@ -131,7 +132,8 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
               startup_s: float = 120.0, headroom: float = 0.1,
               variants: tuple[tuple, ...] = (), configs_from: dict[str, Any] | None = None,
               prefill_profiles: tuple[str, ...] = (), prefill_inflights: tuple[int | None, ...] = (None,),
-              decode_profiles: tuple[str, ...] = (), schedule: dict[str, Any] | None = None) -> dict[str, Any]:
+              decode_profiles: tuple[str, ...] = (), schedule: dict[str, Any] | None = None,
+              jobs: int = 1) -> dict[str, Any]:
     """`variants`: more (headroom, startup_s[, "capacity" | "profile"][, "line"][, "schedule"]) for the scaled
     fleet, each a row of its own, sized by the planned split's capacity per worker (the default) or by the
     profile; "schedule": never below `schedule`'s pools (the forecast policy's floor).
@@ -199,11 +201,10 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
                                     max_num_batched_tokens=shape["chunk_budget"],
                                     prefill_max_inflight=shape["prefill_inflight"])
         on[name] = (shape["prefill_profile"], shape["decode_profile"])
-    rows = {}
-    for name, config in found.items():
+    def row(name: str) -> dict[str, Any] | None:
+        config = found[name]
         if config is None:
-            rows[name] = None
-            continue
+            return None
         scaler = scalers.get(name)
         pp, dp = on.get(name, (None, None))
         main, prefill = pool_profiles(profile, pools.get(pp), pools.get(dp))
@@ -212,21 +213,24 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
         gpus = s["per_gpu"]["gpus"]  # a scaled fleet: the mean over the run
         cost = {k: v for k, v in s["cost"].items() if "workers" in v}
         gpw = {"prefill": (prefill or main).limits.gpus_per_worker}
-        rows[name] = {"prefill": round(cost.get("prefill", {}).get("workers", 0), 2),  # a scaled fleet: means
-                      "decode": round((cost.get("decode") or cost["colocated"])["workers"], 2),
-                      "prefill_profile": pp, "decode_profile": dp, "prefill_inflight": config.prefill_max_inflight,
-                      "max_gpus": sum(v["max_workers"] * gpw.get(k, main.limits.gpus_per_worker)
-                                      for k, v in cost.items()),
-                      "scaling": _scaling(scaler, s, interval_s) if scaler else None,
-                      "chunk_budget": config.max_num_batched_tokens,
-                      "gpus": gpus, "requests": s["sent"], "request_goodput": s["goodput"]["request_goodput"],
-                      "goodput_per_gpu": s["goodput"]["request_goodput"] / gpus,
-                      "attainment_pct": s["goodput"]["attainment_pct"], "slo_attainment": s["slo_attainment"],
-                      "ttft_p90_ms": s["ttft_ms"]["p90"], "tpot_p90_ms": s["tpot_ms"]["p90"],
-                      "itl_p90_ms": s["itl_ms"]["p90"], "sim_wall_s": s["sim"]["wall_s"],
-                      "sim_requests_per_wall_s": s["sim"]["requests_per_wall_s"],
-                      "utilization": {k: v["utilization"] for k, v in s["cost"].items() if "utilization" in v}}
-        log.info("%s: %s", name, rows[name])
+        return {"prefill": round(cost.get("prefill", {}).get("workers", 0), 2),  # a scaled fleet: means
+                "decode": round((cost.get("decode") or cost["colocated"])["workers"], 2),
+                "prefill_profile": pp, "decode_profile": dp, "prefill_inflight": config.prefill_max_inflight,
+                "max_gpus": sum(v["max_workers"] * gpw.get(k, main.limits.gpus_per_worker) for k, v in cost.items()),
+                "scaling": _scaling(scaler, s, interval_s) if scaler else None,
+                "chunk_budget": config.max_num_batched_tokens,
+                "gpus": gpus, "requests": s["sent"], "request_goodput": s["goodput"]["request_goodput"],
+                "goodput_per_gpu": s["goodput"]["request_goodput"] / gpus,
+                "attainment_pct": s["goodput"]["attainment_pct"], "slo_attainment": s["slo_attainment"],
+                "ttft_p90_ms": s["ttft_ms"]["p90"], "tpot_p90_ms": s["tpot_ms"]["p90"],
+                "itl_p90_ms": s["itl_ms"]["p90"], "sim_wall_s": s["sim"]["wall_s"],
+                "sim_requests_per_wall_s": s["sim"]["requests_per_wall_s"],
+                "utilization": {k: v["utilization"] for k, v in s["cost"].items() if "utilization" in v}}
+
+    # each row a whole run of the trace, `jobs` of them at once (their wall times then share the cores)
+    rows = dict(zip(found, fork_map(row, list(found), jobs)))
+    for name, r in rows.items():
+        log.info("%s: %s", name, r)
     ratios = {}
     for mine in ("planned", "planned, scaled over the hour", "planned, scaled over the hour, sized from the profile",
                  SCHEDULED):
@@ -307,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schedule", default=None, metavar="PLAN.json",
                    help="a `pdserve plan --forecast ... --json` result for this trace's load: one more row, the fleet "
                         "resized by its schedule")
+    p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
+                   help="rows simulated at once, each in a process of its own (default: the cores this "
+                        "process may use)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -317,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                        configs_from=json.loads(Path(args.configs_from).read_text()) if args.configs_from else None,
                        prefill_profiles=tuple(args.prefill_profile), decode_profiles=tuple(args.decode_profile),
                        prefill_inflights=tuple(int(x) for x in args.prefill_inflights.split(",") if x.strip())
-                       or (None,), schedule=json.loads(Path(args.schedule).read_text()) if args.schedule else None)
+                       or (None,), schedule=json.loads(Path(args.schedule).read_text()) if args.schedule else None,
+                       jobs=args.jobs)
     print(json.dumps(result["rows"], indent=1))
     print(json.dumps(result["goodput_per_gpu_ratios"]))
     if args.out:

@@ -44,6 +44,20 @@ def test_plan_meets_the_slos_within_the_budget_and_is_cheapest_seen():
         assert rec["prefill"] >= rec["decode"]
 
 
+def test_searches_in_processes_of_their_own_give_the_single_process_answer():
+    """`--jobs`: each mode's and chunk budget's search in a forked process; the plan, its runner-ups,
+    the rejected configurations and the trials kept are the ones one process finds."""
+    spec = PlanSpec(slo_ttft_p90_ms=1500, slo_itl_p90_ms=40, budget=16, modes=("disaggregated", "colocated"),
+                    chunk_budgets=(256, 512))
+    alone, forked = _planner(spec), _planner(spec)
+    assert len(alone.searches()) == 4
+    one, four = alone.plan(), forked.plan(jobs=4)
+    assert one["recommended"] is not None
+    assert json.dumps(four, sort_keys=True) == json.dumps(one, sort_keys=True)
+    assert list(forked.trials) == list(alone.trials)
+    assert forked.sized == alone.sized
+
+
 def test_plan_says_so_when_the_budget_is_too_small():
     result = _planner(PlanSpec(slo_ttft_p90_ms=300, slo_itl_p90_ms=15, budget=3)).plan()
     assert result["recommended"] is None

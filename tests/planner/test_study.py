@@ -16,7 +16,7 @@ def test_small_study_the_scaled_fleet_pays_for_less_than_the_peak_and_meets_the_
     r = run_study(str(ROOFLINE), rate=20.0, duration_s=1200.0, search_s=120.0, slo_ttft_ms=4000, slo_tpot_ms=40,
                   attainment=95.0, max_workers=60, colocated_chunks=(2048,), interval_s=30.0, startup_s=60.0,
                   prefill_profiles=(str(tp4),), prefill_inflights=(2,), decode_profiles=(str(tp4),),
-                  variants=((0.2, 30.0, "profile"), (0.2, 30.0, "profile", "line")))
+                  variants=((0.2, 30.0, "profile"), (0.2, 30.0, "profile", "line")), jobs=2)  # rows in 2 processes
     rows = r["rows"]
     planned, scaled, static = rows["planned"], rows["planned, scaled over the hour"], rows["static 1:1"]
     assert planned and scaled and static
