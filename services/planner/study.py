@@ -201,6 +201,7 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
                                     max_num_batched_tokens=shape["chunk_budget"],
                                     prefill_max_inflight=shape["prefill_inflight"])
         on[name] = (shape["prefill_profile"], shape["decode_profile"])
+
     def row(name: str) -> dict[str, Any] | None:
         config = found[name]
         if config is None:
