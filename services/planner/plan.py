@@ -181,6 +181,7 @@ class Planner:
         self.trials: dict[tuple[ClusterConfig, str | None, str | None], Trial] = {}
         # what the profile sizer said, where each search started: by (prefill profile, decode profile, jobs at once)
         self.sized: dict[tuple[str | None, str | None, int | None], dict[str, Any]] = {}
+        self._jobs_within = 1  # processes one search may use (plan(): when it is the only one)
 
     def pairings(self) -> list[tuple[str | None, str | None]]:
         """(prefill profile, decode profile) of each disaggregated search, by name (None: the main one)."""
@@ -264,10 +265,19 @@ class Planner:
                              prefill_max_inflight=inflight)
         big = max(1, spec.budget - 1)
         guess = self.guess(replace(base, prefill=big, decode=big), *pools)
-        p = self.smallest(lambda n: replace(base, prefill=n, decode=big),
-                          lambda t: t.ttft_ok, big, guess[0], *pools)
-        d = self.smallest(lambda n: replace(base, prefill=big, decode=n),
-                          lambda t: t.itl_ok, big, guess[1], *pools)
+
+        def pool(i: int) -> tuple[int | None, dict]:  # each pool's size on its own, the other one roomy
+            make = (lambda n: replace(base, prefill=n, decode=big)) if i == 0 else \
+                (lambda n: replace(base, prefill=big, decode=n))
+            return self.smallest(make, (lambda t: t.ttft_ok) if i == 0 else (lambda t: t.itl_ok), big, guess[i],
+                                 *pools), self.trials
+
+        if self._jobs_within > 1:  # the plan's only search: the two pools' bisections at once
+            (p, prefill_trials), (d, decode_trials) = fork_map(pool, (0, 1), self._jobs_within)
+            for key, t in [*prefill_trials.items(), *decode_trials.items()]:
+                self.trials.setdefault(key, t)
+        else:
+            (p, _), (d, _) = pool(0), pool(1)
         if p is None or d is None:
             return None
         while p + d <= spec.budget:
@@ -334,10 +344,15 @@ class Planner:
     def plan(self, jobs: int = 1) -> dict[str, Any]:
         """The cheapest configuration found, its runner-ups and the rejected ones. `jobs` > 1: the
         searches run in that many processes at once (fork_map), their trials merged in the searches'
-        order — the answer is the one a single process gives."""
+        order — the answer is the one a single process gives. A plan of one disaggregated search
+        bisects its two pools at once instead."""
         searches = self.searches()
         if min(jobs, len(searches)) <= 1:
-            found = [getattr(self, method)(*args) for method, args in searches]
+            self._jobs_within = jobs if len(searches) == 1 else 1
+            try:
+                found = [getattr(self, method)(*args) for method, args in searches]
+            finally:
+                self._jobs_within = 1
         else:
             found = []
             for trial, trials, sized in fork_map(self._search, range(len(searches)), jobs):

@@ -45,8 +45,9 @@ def test_plan_meets_the_slos_within_the_budget_and_is_cheapest_seen():
 
 
 def test_searches_in_processes_of_their_own_give_the_single_process_answer():
-    """`--jobs`: each mode's and chunk budget's search in a forked process; the plan, its runner-ups,
-    the rejected configurations and the trials kept are the ones one process finds."""
+    """`--jobs`: each mode's and chunk budget's search in a forked process (one search: its two pools'
+    bisections); the plan, its runner-ups, the rejected configurations and the trials kept are the
+    ones one process finds."""
     spec = PlanSpec(slo_ttft_p90_ms=1500, slo_itl_p90_ms=40, budget=16, modes=("disaggregated", "colocated"),
                     chunk_budgets=(256, 512))
     alone, forked = _planner(spec), _planner(spec)
@@ -56,6 +57,13 @@ def test_searches_in_processes_of_their_own_give_the_single_process_answer():
     assert json.dumps(four, sort_keys=True) == json.dumps(one, sort_keys=True)
     assert list(forked.trials) == list(alone.trials)
     assert forked.sized == alone.sized
+    # one search (disaggregated, one chunk budget): its two pools' bisections at once, the same answer
+    one_search = replace(spec, modes=("disaggregated",), chunk_budgets=(512,))
+    alone, forked = _planner(one_search), _planner(one_search)
+    one, two = alone.plan(), forked.plan(jobs=2)
+    assert one["recommended"]["mode"] == "disaggregated" and len(alone.trials) > 4
+    assert json.dumps(two, sort_keys=True) == json.dumps(one, sort_keys=True)
+    assert list(forked.trials) == list(alone.trials)
 
 
 def test_plan_says_so_when_the_budget_is_too_small():
