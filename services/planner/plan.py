@@ -274,8 +274,8 @@ class Planner:
 
         if self._jobs_within > 1:  # the plan's only search: the two pools' bisections at once
             (p, prefill_trials), (d, decode_trials) = fork_map(pool, (0, 1), self._jobs_within)
-            for key, t in [*prefill_trials.items(), *decode_trials.items()]:
-                self.trials.setdefault(key, t)
+            self._adopt(prefill_trials)
+            self._adopt(decode_trials)
         else:
             (p, _), (d, _) = pool(0), pool(1)
         if p is None or d is None:
@@ -334,6 +334,12 @@ class Planner:
                     out.append(("plan_single_pool", (mode, chunk)))
         return out
 
+    def _adopt(self, trials: dict) -> None:
+        """Trials a forked process ran, kept in its order after those already here (the order one
+        process would have run them in)."""
+        for key, t in trials.items():
+            self.trials.setdefault(key, t)
+
     def _search(self, i: int) -> tuple[Trial | None, dict, dict]:
         """Search `i` of `searches()` alone, in a forked worker process: what it found, every trial it
         ran (with those the planner held before), what the profile sizer said where it began."""
@@ -347,19 +353,18 @@ class Planner:
         order — the answer is the one a single process gives. A plan of one disaggregated search
         bisects its two pools at once instead."""
         searches = self.searches()
-        if min(jobs, len(searches)) <= 1:
-            self._jobs_within = jobs if len(searches) == 1 else 1
+        if jobs > 1 and len(searches) > 1:
+            found = []
+            for trial, trials, sized in fork_map(self._search, range(len(searches)), jobs):
+                found.append(trial)
+                self._adopt(trials)
+                self.sized.update(sized)
+        else:
+            self._jobs_within = jobs  # one search (or one process): it may split its pools
             try:
                 found = [getattr(self, method)(*args) for method, args in searches]
             finally:
                 self._jobs_within = 1
-        else:
-            found = []
-            for trial, trials, sized in fork_map(self._search, range(len(searches)), jobs):
-                found.append(trial)
-                for key, t in trials.items():
-                    self.trials.setdefault(key, t)
-                self.sized.update(sized)
         best: list[Trial] = [t for t in found if t is not None and self.spec.within(t.gpus)]
         best.sort(key=lambda t: (t.gpus, -(t.goodput or 0)))
         feasible_ids = {id(t) for t in best}
