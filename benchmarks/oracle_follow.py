@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 
 from services.planner.forecast import ForecastScaler, ProfileSizer  # noqa: E402
 from services.planner.plan import pool_profiles  # noqa: E402
-from services.planner.study import _config, trace  # noqa: E402
+from services.planner.study import config_of, trace  # noqa: E402
 from shared.sim.cluster import simulate  # noqa: E402
 from shared.sim.cost import load_profile  # noqa: E402
 
@@ -70,7 +70,7 @@ def run(study: dict, headroom: tuple[float, float], startup_s: float, oracle: bo
     pools = {name: load_profile(PROFILES / f"{name}.json") for name in study["prefill_profiles"]}
     main, prefill = pool_profiles(main_profile, pools.get(planned["prefill_profile"]),
                                   pools.get(planned["decode_profile"]))
-    config = _config("planned", planned)
+    config = config_of("planned", planned)
     slo = study["slo"]
     sizer = ProfileSizer(main, slo["ttft_ms"] / 1e3, slo["tpot_ms"] / 1e3, slo["attainment_pct"] / 100,
                          kv_path="network")

@@ -408,7 +408,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="the SLOs' other form: at least PCT%% of requests within the TTFT SLO, within the TPOT one "
                         "(--slo-tpot-ms, else the ITL one) and within both (default: the p90s)")
     p.add_argument("--json", default=None, help="write the plan here ('-': stdout)")
-    p.add_argument("--jobs", type=_positive_int, default=len(os.sched_getaffinity(0)), metavar="N",
+    p.add_argument("--jobs", type=positive_int, default=len(os.sched_getaffinity(0)), metavar="N",
                    help="searches run at once, each in a process of its own: each mode, pairing of profiles, "
                         "chunk budget and prefill depth is one (default: the cores this process may use)")
     p.add_argument("--kustomize", default=None, metavar="DIR",
@@ -443,7 +443,7 @@ COLOCATED_ON_CPU = ("the simulator's colocated mode is calibrated on a disaggreg
                     "needed): check this answer with pdserve bench")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     n = int(text)
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")

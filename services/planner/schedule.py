@@ -273,7 +273,7 @@ def plan_forecast(args, profile: Profile, spec, prefill_profiles: dict[str, Prof
 
     jobs = getattr(args, "jobs", 1)
 
-    def plan_at(rate: float, shape: dict[str, Any] | None, jobs: int = 1) -> dict[str, Any] | None:
+    def plan_at(rate: float, shape: dict[str, Any] | None, searches_at_once: int = 1) -> dict[str, Any] | None:
         if rate not in plans:
             s, pre, dec, pairings = spec, prefill_profiles, decode_profiles, None
             if shape is not None:  # the busiest period's shape: only the pools' sizes are searched
@@ -283,7 +283,7 @@ def plan_forecast(args, profile: Profile, spec, prefill_profiles: dict[str, Prof
             reqs = _requests_at(args, rate, trace)
             log.info("planning %.4g req/s (%d requests)", rate, len(reqs))
             plans[rate] = Planner(profile, s, lambda: [replace(r) for r in reqs], args.slo_tpot_ms, pre, dec,
-                                  pairings=pairings).plan(jobs)["recommended"]
+                                  pairings=pairings).plan(searches_at_once)["recommended"]
         return plans[rate]
 
     peak_rate = max(p.rate for p in periods)

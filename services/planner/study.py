@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from services.planner.forecast import Capacity, ForecastScaler, ProfileSizer
-from services.planner.plan import Planner, PlanSpec, fork_map, pool_profiles
+from services.planner.plan import Planner, PlanSpec, fork_map, pool_profiles, positive_int
 from services.planner.schedule import ScheduleScaler
 from shared.sim.cluster import ClusterConfig, simulate
 from shared.sim.cost import load_profile
@@ -116,7 +116,7 @@ def _search(planner: Planner, spec: PlanSpec, max_workers: int,
     return found, on
 
 
-def _config(name: str, row: dict[str, Any] | None) -> ClusterConfig | None:
+def config_of(name: str, row: dict[str, Any] | None) -> ClusterConfig | None:
     """A fixed configuration back from a row of an earlier result."""
     if row is None:
         return None
@@ -155,7 +155,7 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
     planner = Planner(profile, spec, lambda: [replace(r) for r in search], slo_tpot_ms, prefill_pools, decode_pools)
     t0 = time.perf_counter()
     if configs_from is not None:
-        found = {name: _config(name, row) for name, row in configs_from["rows"].items()
+        found = {name: config_of(name, row) for name, row in configs_from["rows"].items()
                  if not name.startswith("planned, scaled") and name != SCHEDULED}
         on = {name: (row.get("prefill_profile"), row.get("decode_profile"))
               for name, row in configs_from["rows"].items() if row}
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schedule", default=None, metavar="PLAN.json",
                    help="a `pdserve plan --forecast ... --json` result for this trace's load: one more row, the fleet "
                         "resized by its schedule")
-    p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
+    p.add_argument("--jobs", type=positive_int, default=len(os.sched_getaffinity(0)),
                    help="rows simulated at once, each in a process of its own (default: the cores this "
                         "process may use)")
     p.add_argument("--out", default=None)
