@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from services.planner.forecast import Capacity, ForecastScaler, ProfileSizer
+from services.planner.forecast import Capacity, ForecastScaler, ProfileSizer, headroom_arg
 from shared.sim.cost import load_profile
 from shared.sim.workload import Load
 from shared.telemetry.names import (E2E, GENAI_TPOT, GENERATION_TOKENS, ITL, PREFILL_SECONDS, PROMPT_TOKENS,
@@ -454,7 +454,8 @@ def add_policy_args(g, what: str, startup_s: float) -> None:
                         "for this machine)")
     g.add_argument("--startup-s", type=float, default=startup_s,
                    help=f"forecast: seconds from adding a {what} until it serves (how far ahead to forecast)")
-    g.add_argument("--headroom", type=float, default=0.1, help="forecast: capacity above the forecast")
+    g.add_argument("--headroom", type=headroom_arg, default=0.1, metavar="H | PREFILL,DECODE",
+                   help="forecast: capacity above the forecast, for both pools or each its own")
     g.add_argument("--schedule", default=None, metavar="PLAN.json",
                    help=f"forecast: a `pdserve plan --forecast ... --json` result: each pool at least the {what}s "
                         "its schedule has for now (clock times: in the plan's --timezone, else this machine's local "

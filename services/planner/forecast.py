@@ -10,8 +10,10 @@ forecast needs — early enough that the workers have loaded their model when th
                      (more where the rate is a trickle; fewer where the arrivals stopped), where
                      it stands out of the noise → its highest rate between the next
                      interval and `startup_s + interval_s` ahead (raised where the last 2·`history`
-                     intervals bend upwards beyond the noise: the load turning up from a trough),
-                     × (1 + headroom), + each pool's backlog ÷ interval → the sizer: workers per pool
+                     intervals bend upwards beyond the noise: the load turning up from a trough;
+                     lowered where they bend down: a rise levelling off towards its peak),
+                     × (1 + the pool's headroom), + the pool's backlog ÷ interval → the sizer:
+                     workers per pool
 
 The backlog term is what keeps a forecast's miss from lasting: a pool that fell behind holds a queue
 that the forecast rate alone would never clear, and TTFT grows with it for the rest of the run. A
@@ -46,6 +48,7 @@ far, never the trace ahead.
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections import deque
 from collections.abc import Callable
@@ -103,6 +106,18 @@ class Sizer(Protocol):
     def describe(self) -> dict: ...  # for a results file
 
     def __str__(self) -> str: ...  # for a log line
+
+
+def headroom_arg(text: str) -> float | tuple[float, float]:
+    """A `--headroom` flag's value: H (both pools), or PREFILL,DECODE; each a fraction >= 0."""
+    try:
+        parts = [float(x) for x in text.split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) not in (1, 2) or min(parts) < 0:
+        raise argparse.ArgumentTypeError(f"takes H or PREFILL,DECODE, fractions >= 0 (0.05: 5% above the "
+                                         f"forecast), got {text!r}")
+    return parts[0] if len(parts) == 1 else (parts[0], parts[1])
 
 
 def _erlang_c(c: int, a: float, b_prev: float) -> tuple[float, float]:
@@ -234,11 +249,13 @@ class ProfileSizer:
 @dataclass
 class ForecastScaler:
     sizer: Sizer
-    BEND_Z: ClassVar[float] = 3.0  # standard errors of a parabola's curvature that make a bend (_turning_up)
+    BEND_Z: ClassVar[float] = 3.0  # standard errors of a parabola's curvature that make a bend (_bend)
     FALL_Z: ClassVar[float] = 3.0  # … of the line's slope that make a decline (`falling`)
     interval_s: float = 60.0
     startup_s: float = 120.0  # a worker's GPUs are paid for from the decision; it serves this much later
-    headroom: float = 0.10
+    # capacity above the forecast: one for both pools, or (prefill, decode). The planning study's fleet wants
+    # more on decode, whose miss is cheap to cover (a fifth of the GPUs), than on prefill (BENCHMARKS.md)
+    headroom: float | tuple[float, float] = 0.10
     history: int = 5  # intervals the trend is fitted over
     down_after: int = 3  # intervals in a row wanting fewer before a pool shrinks
     down_after_falling: int = 1  # … while the forecast line falls beyond 3 standard errors (forecast())
@@ -251,7 +268,7 @@ class ForecastScaler:
     rate_requests: int = 10  # the trend is fitted over intervals that hold this many arrivals, where it takes more
     max_history: int = 30  # …but at most this many intervals
     surprise: float = 6.0  # a change in the arrivals this unlikely by chance (e^-surprise) ends the window
-    curvature: bool = True  # also fit a parabola: a load turning up from its trough is foreseen (forecast())
+    curvature: bool = True  # also fit a parabola: a turn at a trough or a peak is foreseen (forecast())
     # workers per pool it never goes below at a time (`now` as `targets` gets it): a schedule planned from a
     # forecast of the load (schedule.Schedule), so the known pattern is in place ahead, the surprises followed
     floor: Callable[[float], tuple[int, int]] | None = None
@@ -266,7 +283,7 @@ class ForecastScaler:
     _last_load: Load | None = None
 
     def __post_init__(self) -> None:
-        if self.interval_s <= 0 or self.startup_s < 0 or self.headroom < 0 or not 2 <= self.history <= \
+        if self.interval_s <= 0 or self.startup_s < 0 or min(self.headrooms) < 0 or not 2 <= self.history <= \
                 self.max_history or min(self.down_after, self.down_after_falling) < 1 or self.surprise <= 0:
             raise ValueError("forecast scaler: need interval > 0, startup >= 0, headroom >= 0, "
                              "2 <= history <= max_history, down_after(_falling) >= 1, surprise > 0")
@@ -274,6 +291,12 @@ class ForecastScaler:
                 min(self.gpus) < 0 or max(self.gpus) < 1 or self.cost(self.min_workers) > self.budget:
             raise ValueError("forecast scaler: need 1 <= min <= max per pool, the minimums within the budget "
                              "and a worker's share of it (gpus) >= 0, one pool's >= 1")
+
+    @property
+    def headrooms(self) -> tuple[float, float]:
+        """Each pool's headroom: (prefill, decode)."""
+        h = self.headroom
+        return (h, h) if isinstance(h, (int, float)) else (h[0], h[1])
 
     def cost(self, counts) -> int:
         """What `counts` workers per pool hold of the budget."""
@@ -319,7 +342,8 @@ class ForecastScaler:
         noise is what makes a predictive planner oscillate. A falling line is read at the next
         interval's start, where a worker removed now is first missed; a rising one a startup and an
         interval past the last observed. With `curvature`, raised where the load bends upwards
-        (`_turning_up`): the pools then shrink to the bend's forecast, not below it. Sets `falling`:
+        and lowered where it bends down (`_bend`): the pools then shrink to the bend's forecast, not
+        below it, and a rise towards its peak is not carried past it. Sets `falling`:
         the pools may shrink without waiting (`down_after_falling`)."""
         ys, was_falling = self._window(), self.falling
         if len(ys) < 2:
@@ -342,19 +366,27 @@ class ForecastScaler:
         if not self.curvature or any(y == 0 for y in ys):  # (the traffic stopped: nothing turns up)
             return line
         longer = [k / dt for k, dt in list(self.arrivals)[-2 * self.history:]]
-        return max(line, self._turning_up(longer if len(longer) > n else ys, ahead))
+        bend = self._bend(longer if len(longer) > n else ys, ahead)
+        if bend is None:
+            return line
+        up, rate = bend
+        return max(line, rate) if up else min(line, rate)
 
-    def _turning_up(self, ys: list[float], ahead: float) -> float:
-        """With `curvature`: where the rates of the last 2·`history` intervals bend upwards beyond
-        the noise (a parabola's curvature beyond 3 standard errors) and the parabola explains them
-        (its residuals within twice the noise: a step in the load is no parabola), its rate `ahead`
-        intervals past the last one; else 0. It only ever raises the line's forecast: a load that
-        levels off at its trough is seen to turn up before a line through the trough shows a slope,
-        and a worker added then serves when the load comes. A load bending down is left to the line.
-        Over 5 intervals the bend of a daily swing is lost in the noise; over 10 it is not."""
+    def _bend(self, ys: list[float], ahead: float) -> tuple[bool, float] | None:
+        """With `curvature`: where the rates of the last 2·`history` intervals bend beyond the noise
+        (a parabola's curvature beyond 3 standard errors) and the parabola explains them (its
+        residuals within twice the noise: a step in the load is no parabola), (whether it bends
+        upwards, a rate from it); else None. Bending up, its rate `ahead` intervals past the last
+        one, which only ever raises the line's forecast: a load that levels off at its trough is
+        seen to turn up before a line through the trough shows a slope, and a worker added then
+        serves when the load comes. Bending down, its highest from the next interval to `ahead`
+        (its top, where that lies ahead), which only ever lowers the line's: a line through a rise
+        that levels off towards its peak carries it past the peak (on the planning study's swing,
+        3-5% more workers than the top needs, for ten minutes). Over 5 intervals the bend of a
+        daily swing is lost in the noise; over 10 it is not."""
         n = len(ys)
         if n < 6:
-            return 0.0
+            return None
         xs = [i - (n - 1) / 2 for i in range(n)]
         x2 = [x * x for x in xs]
         m2 = sum(x2) / n
@@ -365,10 +397,16 @@ class ForecastScaler:
         c = sum(v * y for v, y in zip(q, ys)) / sqq
         resid = sum((y - my - b * x - c * v) ** 2 for x, y, v in zip(xs, ys, q)) / (n - 3)
         poisson = my / self.interval_s
-        if resid > 2 * poisson or c <= self.BEND_Z * math.sqrt(max(resid, poisson) / sqq):
-            return 0.0
-        x = xs[-1] + ahead
-        return max(0.0, my + b * x + c * (x * x - m2))
+        if resid > 2 * poisson or abs(c) <= self.BEND_Z * math.sqrt(max(resid, poisson) / sqq):
+            return None
+
+        def at(x: float) -> float:
+            return max(0.0, my + b * x + c * (x * x - m2))
+
+        if c > 0:
+            return True, at(xs[-1] + ahead)
+        near, far, top = xs[-1] + 0.5, xs[-1] + ahead, -b / (2 * c)
+        return False, at(min(max(top, near), far))
 
     def targets_for(self, now: float, arrived: int, waiting: tuple[int, int], have: list[int], leaving: int,
                     budget: int, load: Load | None = None,
@@ -431,8 +469,9 @@ class ForecastScaler:
         if not self.arrivals:  # nothing observed yet: keep the fleet as it is (or as the floor wants it)
             self.current = [max(n, lo) for n, lo in zip(self.current or self.min_workers, least)]
             return tuple(self.current)
-        rate = self.forecast() * (1 + self.headroom)
-        want = [rate + max(0.0, q - self.queue_per_worker * n) / self.interval_s for q, n in zip(waiting, self.current)]
+        rate = self.forecast()
+        want = [rate * (1 + h) + max(0.0, q - self.queue_per_worker * n) / self.interval_s
+                for h, q, n in zip(self.headrooms, waiting, self.current)]
         mix = self.mix if self.mix is None else replace(self.mix, decode_factor=self.decode_factor)
         need = [self.sizer.workers(i, w, mix) for i, w in enumerate(want)]
         need = [self.current[i] if n is None else n for i, n in enumerate(need)]  # no mix known yet: as it is

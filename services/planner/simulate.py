@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from services.bench.workloads import WORKLOADS, Workload, parse_range
-from services.planner.forecast import Capacity, ForecastScaler, ProfileSizer
+from services.planner.forecast import Capacity, ForecastScaler, ProfileSizer, headroom_arg
 from shared.sim.cluster import MODES, SLO_WINDOW_S, ClosedLoop, ClusterConfig, simulate
 from shared.sim.cost import Profile, load_profile
 from shared.sim.workload import bench_acceptance, bench_request, poisson_requests, read_trace
@@ -84,7 +84,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="--scale: the percentage of requests the profile sizer keeps within each SLO")
     g.add_argument("--scale-interval", type=float, default=60.0, help="seconds between decisions")
     g.add_argument("--startup-s", type=float, default=120.0, help="seconds from adding a worker until it serves")
-    g.add_argument("--headroom", type=float, default=0.1, help="capacity above the forecast")
+    g.add_argument("--headroom", type=headroom_arg, default=0.1, metavar="H | PREFILL,DECODE",
+                   help="capacity above the forecast, for both pools or each its own")
     g.add_argument("--max-workers", type=int, default=10_000, help="prefill + decode workers at most")
 
 

@@ -56,7 +56,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from services.planner.forecast import Capacity, ForecastScaler, ProfileSizer
+from services.planner.forecast import Capacity, ForecastScaler, ProfileSizer, headroom_arg
 from services.planner.plan import Planner, PlanSpec, fork_map, pool_profiles, positive_int
 from services.planner.schedule import ScheduleScaler
 from shared.sim.cluster import ClusterConfig, simulate
@@ -129,7 +129,7 @@ def config_of(name: str, row: dict[str, Any] | None) -> ClusterConfig | None:
 def run_study(profile_path: str, rate: float, duration_s: float, search_s: float, slo_ttft_ms: float,
               slo_tpot_ms: float, attainment: float, max_workers: int, seed: int = 0,
               colocated_chunks: tuple[int, ...] = (512, 1024, 2048), interval_s: float = 60.0,
-              startup_s: float = 120.0, headroom: float = 0.1,
+              startup_s: float = 120.0, headroom: float | tuple[float, float] = 0.1,
               variants: tuple[tuple, ...] = (), configs_from: dict[str, Any] | None = None,
               prefill_profiles: tuple[str, ...] = (), prefill_inflights: tuple[int | None, ...] = (None,),
               decode_profiles: tuple[str, ...] = (), schedule: dict[str, Any] | None = None,
@@ -181,7 +181,7 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
             if floored and schedule is None:
                 raise ValueError("a variant with :schedule needs the plan's schedule (--schedule)")
             runs.append((f"planned, scaled over the hour{', sized from the profile' if by_profile else ''} "
-                         f"(headroom {room:g}, startup {startup:g} s{', a line forecast' if line else ''}"
+                         f"(headroom {_rooms(room)}, startup {startup:g} s{', a line forecast' if line else ''}"
                          f"{', the forecast plan’s schedule as a floor' if floored else ''})",
                          sized if by_profile else cap, room, startup, line, floored))
         for name, sizer, room, startup, line, floored in runs:
@@ -267,17 +267,22 @@ def _scaling(scaler: ForecastScaler | ScheduleScaler, s: dict[str, Any], interva
                   "slo_by_window": s["scaling"].get("slo_by_window")}
 
 
+def _rooms(room: float | tuple[float, float]) -> str:
+    return f"{room:g}" if isinstance(room, (int, float)) else ",".join(f"{h:g}" for h in room)
+
+
 def _variant(text: str) -> tuple:
-    """HEADROOM:STARTUP[:capacity|:profile][:line][:schedule] as (headroom, startup_s, *those flags)."""
+    """HEADROOM:STARTUP[:capacity|:profile][:line][:schedule] as (headroom, startup_s, *those flags); HEADROOM
+    one for both pools, or PREFILL,DECODE."""
     try:
         room, startup, *how = text.split(":")
         sizer = [h for h in how[:1] if h in ("capacity", "profile")]
         if how[len(sizer):] not in ([], ["line"], ["schedule"], ["line", "schedule"]):
             raise ValueError
-        return (float(room), float(startup), *how)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: want HEADROOM:STARTUP, then :capacity or :profile, then :line, "
-                                         "then :schedule") from None
+        return (headroom_arg(room), float(startup), *how)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"{text!r}: want HEADROOM:STARTUP (HEADROOM: H or PREFILL,DECODE), then "
+                                         ":capacity or :profile, then :line, then :schedule") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,12 +298,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-workers", type=int, default=250)
     p.add_argument("--interval", type=float, default=60.0, help="seconds between the scaled fleet's decisions")
     p.add_argument("--startup", type=float, default=120.0, help="seconds from adding a worker until it serves")
-    p.add_argument("--headroom", type=float, default=0.1, help="capacity above the forecast")
+    p.add_argument("--headroom", type=headroom_arg, default=0.1, metavar="H | PREFILL,DECODE",
+                   help="capacity above the forecast, for both pools or each its own")
     p.add_argument("--variant", action="append", default=[], type=_variant,
                    metavar="HEADROOM:STARTUP[:profile][:line][:schedule]",
-                   help="another scaled fleet with this headroom and startup, sized by the planned capacity per "
-                        "worker or (':profile') from the profile; ':line': its forecast a line, with no bend, and "
-                        "hysteresis in a decline too; ':schedule': never below --schedule's pools (repeatable)")
+                   help="another scaled fleet with this headroom (H or PREFILL,DECODE) and startup, sized by the "
+                        "planned capacity per worker or (':profile') from the profile; ':line': its forecast a line, "
+                        "with no bend, and hysteresis in a decline too; ':schedule': never below --schedule's pools "
+                        "(repeatable)")
     p.add_argument("--prefill-profile", action="append", default=[], metavar="FILE",
                    help="the same model on another tensor-parallel group: the planned prefill pool may run on it "
                         "(repeatable)")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import replace
 
 import pytest
 
-from services.planner.forecast import Capacity, ForecastScaler, ProfileSizer, _erlang_c, _servers
+from services.planner.forecast import Capacity, ForecastScaler, ProfileSizer, _erlang_c, _servers, headroom_arg
 from shared.sim.cluster import ClusterConfig, simulate
 from shared.sim.cost import LinearFit, TransferFit, load_profile
 from shared.sim.workload import Load, Mix, _trace_row, mooncake_shaped_trace, poisson_requests
@@ -114,6 +115,29 @@ def test_a_load_turning_up_from_its_trough_is_foreseen_a_steady_one_or_a_step_is
     assert forecast(step) == forecast(step, curvature=False)
 
 
+def test_a_rise_levelling_off_towards_its_peak_is_not_carried_past_it():
+    """Towards the daily peak a line through the last intervals still rises and, read a startup
+    ahead, overshoots the top; a parabola through the last 10 bends down beyond the noise, and its
+    highest over the horizon is the top. It only ever lowers the line's forecast; a straight ramp is
+    no bend: the line stands."""
+    def forecast(rates, curvature=True):
+        s = ForecastScaler(Capacity(10.0, 20.0), interval_s=60, startup_s=120, headroom=0.0, curvature=curvature)
+        _feed(s, rates)
+        return s.forecast()
+
+    top = max(_daily(m + 0.5) for m in range(12, 15))  # the peak (minute 15) within the horizon
+    lines, bents = [], []
+    for seed in range(8):
+        rise = _counted([_daily(m + 0.5) for m in range(1, 12)], 60, seed)  # minutes 1-11
+        lines.append(forecast(rise, curvature=False))
+        bents.append(forecast(rise))
+        assert bents[-1] <= lines[-1]
+        ramp = _counted([200.0 + 5 * m for m in range(11)], 60, 200 + seed)
+        assert forecast(ramp) == forecast(ramp, curvature=False)
+    assert sum(lines) / 8 > 1.03 * top  # the line carries the rise past the peak
+    assert abs(sum(bents) / 8 - top) < 0.025 * top
+
+
 def test_a_decline_beyond_chance_shrinks_the_pools_at_once_a_dip_does_not():
     """Hysteresis holds a pool three intervals after it wants fewer, so that noise does not flip it;
     in a daily decline that pays for workers all afternoon. A trend that falls beyond 3 standard
@@ -166,6 +190,22 @@ def test_a_decline_stays_a_decline_through_noise_and_its_bend_towards_the_trough
         if seen and t > 1200:  # the decline, once seen
             held.append(have - math.ceil(s.forecast() - 1e-9))
     assert seen and held and max(held) <= 1, held
+
+
+def test_each_pool_its_own_headroom():
+    """--headroom PREFILL,DECODE: each pool sized for the forecast × its own (1 + headroom); one value is both
+    pools'. Bad values are refused with the flag's form named."""
+    both = ForecastScaler(Capacity(1.0, 2.0), interval_s=60, startup_s=0, headroom=0.1, current=[1, 1])
+    own = ForecastScaler(Capacity(1.0, 2.0), interval_s=60, startup_s=0, headroom=(0.0, 0.5), current=[1, 1])
+    assert _feed(both, [100] * 5)[-1] == (110, 55)
+    assert _feed(own, [100] * 5)[-1] == (100, 75)
+    assert both.headrooms == (0.1, 0.1) and own.headrooms == (0.0, 0.5)
+    assert headroom_arg("0.05") == 0.05 and headroom_arg("0,0.08") == (0.0, 0.08)
+    for bad in ("-0.1", "0.1,0.2,0.3", "a,b", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="H or PREFILL,DECODE"):
+            headroom_arg(bad)
+    with pytest.raises(ValueError, match="headroom >= 0"):
+        ForecastScaler(Capacity(1.0, 1.0), headroom=(0.1, -0.1))
 
 
 def test_bounds_and_budget():
