@@ -80,18 +80,22 @@ def test_the_study_runs_a_fleet_resized_by_a_plan_through_a_forecast_of_its_load
     r = run_study(str(ROOFLINE), rate=rate, duration_s=hour, search_s=120.0, slo_ttft_ms=4000, slo_tpot_ms=40,
                   attainment=95.0, max_workers=60, interval_s=30.0, configs_from={"rows": {"static 1:1": static,
                                                                                             "planned": peak}},
-                  schedule=plan, variants=((0.0, 60.0, "profile", "schedule"),))
+                  schedule=plan, variants=(((0.0, 0.05), 60.0, "profile", "schedule"),))  # decode: 5% headroom
     row = r["rows"][SCHEDULED]
     assert row["scaling"]["schedule"] and row["scaling"]["changes"] >= 2
     assert row["gpus"] < peak["gpus"] < row["max_gpus"] + 1e-9  # it holds the peak's fleet only at the peak
     assert row["attainment_pct"] >= 95.0, row["slo_attainment"]
     assert r["goodput_per_gpu_ratios"][f"{SCHEDULED}_vs_static 1:1"] > 1.0
     # the forecaster with the schedule as its floor holds at least the schedule's pools at every decision
-    floored = r["rows"]["planned, scaled over the hour, sized from the profile (headroom 0, startup 60 s, "
+    floored = r["rows"]["planned, scaled over the hour, sized from the profile (headroom 0,0.05, startup 60 s, "
                         "the forecast plan’s schedule as a floor)"]
+    assert tuple(floored["scaling"]["headroom"]) == (0.0, 0.05)
     floor = _schedule_scaler(plan, 30.0).floor
     assert floored["scaling"]["changes"] >= 2 and floored["attainment_pct"] >= 95.0
     for t, p, d in floored["scaling"]["log"]:
         assert p >= floor(t)[0] and d >= floor(t)[1], (t, p, d, floor(t))
     with pytest.raises(argparse.ArgumentTypeError):
         _variant("0.1:60:schedule:line")  # the flags in their order: sizer, line, schedule
+    assert _variant("0.02,0.08:120:profile") == ((0.02, 0.08), 120.0, "profile")  # each pool its own headroom
+    with pytest.raises(argparse.ArgumentTypeError, match="PREFILL,DECODE"):
+        _variant("0.02,0.08,0.1:120")
