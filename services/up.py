@@ -570,8 +570,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(config.describe(), flush=True)
         if args.policy == "forecast":  # a bad flag is one line now, not after the stack has started
             forecast = forecast_scaler(args, config, "pdserve up")
-            print(f"  policy: forecast, {forecast.sizer}, {forecast.startup_s:g} s from adding one to serving",
-                  flush=True)
+            print(f"  policy: {forecast.describe()}", flush=True)
     if args.dry_run:
         print(format_plan(args), flush=True)
         return 0

@@ -298,6 +298,12 @@ class ForecastScaler:
         h = self.headroom
         return (h, h) if isinstance(h, (int, float)) else (h[0], h[1])
 
+    def describe(self) -> str:
+        """The policy in one line (`pdserve up` prints it, `pdserve planner` logs it)."""
+        p, d = self.headrooms
+        room = f"{100 * p:g}%" if p == d else f"{100 * p:g}% prefill, {100 * d:g}% decode"
+        return f"forecast, {self.sizer}, {room} headroom, {self.startup_s:g} s from adding one to serving"
+
     def cost(self, counts) -> int:
         """What `counts` workers per pool hold of the budget."""
         return sum(n * g for n, g in zip(counts, self.gpus))

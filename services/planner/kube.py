@@ -334,6 +334,7 @@ def planner_from_args(args, gpus: tuple[int, int] | None = None,
             config, scaler = built(read)
     log.info("%s", config.describe("pods"))
     if scaler is not None:
+        log.info("policy: %s", scaler.describe())
         return ForecastKubePlanner(scaler, actuator, args.gateway_deployment, args.gateway_port)
     return KubePlanner(config, actuator, args.gateway_deployment, args.gateway_port)
 

@@ -470,8 +470,12 @@ def test_up_forecast_policy_sizes_from_the_shipped_profile_unless_given_a_capaci
 
     default = up()
     assert default.returncode == 0 and "policy: forecast, each pool sized from the profile" in default.stdout
-    given = up("--capacity", "2,5")
-    assert "policy: forecast, 2 and 5 req/s a prefill and a decode worker" in given.stdout
+    assert "10% headroom" in default.stdout
+    given = up("--capacity", "2,5", "--headroom", "0.02,0.08")
+    assert "policy: forecast, 2 and 5 req/s a prefill and a decode worker, 2% prefill, 8% decode headroom" \
+        in given.stdout
+    bad = up("--headroom", "0.1,-1")
+    assert bad.returncode == 2 and "--headroom: takes H or PREFILL,DECODE" in bad.stderr
     missing = up("--profile", "/nonexistent/gpu.json")
     assert missing.returncode != 0 and "not found" in missing.stdout + missing.stderr
     assert "Traceback" not in missing.stdout + missing.stderr
