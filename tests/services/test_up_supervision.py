@@ -392,7 +392,7 @@ def test_crash_loop_while_serving_ends_open_streams_with_an_error_then_up_exits_
     try:
         wait_up_healthy(up)
         streams = Streams(up.url, [f"Write a long essay about the stone number {i}." for i in range(2)], 1000)
-        assert streams.started.wait(60)
+        assert streams.all_started(60)  # both streaming: each is to end with the shutdown's error event
         pid = up.children()["decode-0"]
         t0 = time.monotonic()
         for kill in range(3):  # each right after the restart: a crash loop
