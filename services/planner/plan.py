@@ -274,8 +274,8 @@ class Planner:
 
         if self._jobs_within > 1:  # the plan's only search: the two pools' bisections at once
             (p, prefill_trials), (d, decode_trials) = fork_map(pool, (0, 1), self._jobs_within)
-            self._adopt(prefill_trials)
-            self._adopt(decode_trials)
+            self.adopt(prefill_trials)
+            self.adopt(decode_trials)
         else:
             (p, _), (d, _) = pool(0), pool(1)
         if p is None or d is None:
@@ -334,7 +334,7 @@ class Planner:
                     out.append(("plan_single_pool", (mode, chunk)))
         return out
 
-    def _adopt(self, trials: dict) -> None:
+    def adopt(self, trials: dict) -> None:
         """Trials a forked process ran, kept in its order after those already here (the order one
         process would have run them in)."""
         for key, t in trials.items():
@@ -357,7 +357,7 @@ class Planner:
             found = []
             for trial, trials, sized in fork_map(self._search, range(len(searches)), jobs):
                 found.append(trial)
-                self._adopt(trials)
+                self.adopt(trials)
                 self.sized.update(sized)
         else:
             self._jobs_within = jobs  # one search (or one process): it may split its pools

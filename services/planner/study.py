@@ -52,7 +52,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -88,13 +90,15 @@ def busiest(requests: list, window_s: float) -> list:
 Pools = tuple[str | None, str | None]  # the profiles (by name) a configuration's prefill and decode pools run on
 
 
-def _search(planner: Planner, spec: PlanSpec, max_workers: int,
-            colocated_chunks: tuple[int, ...]) -> tuple[dict[str, ClusterConfig | None], dict[str, Pools]]:
-    """The configurations by name, and the profiles each one's pools run on (None: the main one)."""
+def _search(planner: Planner, spec: PlanSpec, max_workers: int, colocated_chunks: tuple[int, ...],
+            jobs: int = 1) -> tuple[dict[str, ClusterConfig | None], dict[str, Pools]]:
+    """The configurations by name, and the profiles each one's pools run on (None: the main one).
+    Each search is independent of the others of its round (the planned split's, then the baselines'):
+    `jobs` of them run at once, and the answer is the one a single process gives."""
     found: dict[str, ClusterConfig | None] = {}
     on: dict[str, Pools] = {}
-    tried = [planner.plan_disaggregated(None, pp, inflight, dp) for pp, dp in planner.pairings()
-             for inflight in spec.prefill_inflights]
+    tried = _at_once(planner, [partial(planner.plan_disaggregated, None, pp, inflight, dp)
+                               for pp, dp in planner.pairings() for inflight in spec.prefill_inflights], jobs)
     planned = min((t for t in tried if t is not None), key=lambda t: t.gpus, default=None)
     found["planned"] = planned.config if planned else None
     on["planned"] = (planned.prefill_profile, planned.decode_profile) if planned else (None, None)
@@ -102,18 +106,38 @@ def _search(planner: Planner, spec: PlanSpec, max_workers: int,
     # once, and (where the planned split takes another) with the planned split's number too
     inflights = [None] + ([planned.config.prefill_max_inflight] if planned and
                           planned.config.prefill_max_inflight is not None else [])
-    for inflight in inflights:
-        base = ClusterConfig(mode="disaggregated", kv_path="network", prefill_max_inflight=inflight)
-        n = planner.smallest(lambda k: replace(base, prefill=k, decode=k), lambda t: t.meets(spec), max_workers // 2)
+    statics = [ClusterConfig(mode="disaggregated", kv_path="network", prefill_max_inflight=i) for i in inflights]
+    colos = [ClusterConfig(mode="colocated", kv_path="network", max_num_batched_tokens=c) for c in colocated_chunks]
+
+    def equal_pools(base: ClusterConfig) -> int | None:
+        return planner.smallest(lambda k: replace(base, prefill=k, decode=k), lambda t: t.meets(spec), max_workers // 2)
+
+    def one_pool(colo: ClusterConfig) -> int | None:
+        return planner.smallest(lambda k: replace(colo, decode=k), lambda t: t.meets(spec), max_workers)
+
+    counts = _at_once(planner, [partial(equal_pools, b) for b in statics] + [partial(one_pool, c) for c in colos],
+                      jobs)
+    for inflight, base, n in zip(inflights, statics, counts):
         name = "static 1:1" if inflight is None else f"static 1:1, {inflight} jobs a prefill worker"
         found[name] = replace(base, prefill=n, decode=n) if n else None
     found["colocated"] = None
-    for chunk in colocated_chunks:
-        colo = ClusterConfig(mode="colocated", kv_path="network", max_num_batched_tokens=chunk)
-        n = planner.smallest(lambda k: replace(colo, decode=k), lambda t: t.meets(spec), max_workers)
+    for colo, n in zip(colos, counts[len(statics):]):
         if n and (found["colocated"] is None or n < found["colocated"].decode):
             found["colocated"] = replace(colo, decode=n)
     return found, on
+
+
+def _at_once(planner: Planner, searches: list[Callable[[], Any]], jobs: int) -> list:
+    """[search() for search in searches], `jobs` at once in forked processes (fork_map), the trials
+    each one ran kept in the planner in the order one process would have run them."""
+    def run(i: int) -> tuple[Any, dict]:  # (an index: the searches hold the planner, which is not pickled)
+        return searches[i](), planner.trials
+
+    out = []
+    for result, trials in fork_map(run, range(len(searches)), jobs):
+        planner.adopt(trials)
+        out.append(result)
+    return out
 
 
 def config_of(name: str, row: dict[str, Any] | None) -> ClusterConfig | None:
@@ -143,7 +167,8 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
     which the planned split's prefill (decode) pool may run on; `prefill_inflights`: the jobs a
     prefill worker takes at once that its search tries (None: the profile's).
     `schedule`: a `pdserve plan --forecast` result for this trace's load: a row of a fleet resized by
-    its schedule (the load's shape known ahead, as a daily pattern is) instead of by the forecaster."""
+    its schedule (the load's shape known ahead, as a daily pattern is) instead of by the forecaster.
+    `jobs`: searches (each round's) and rows run at once in forked processes; the answer is the same."""
     profile = load_profile(profile_path)
     prefill_pools = {Path(f).stem: load_profile(f) for f in prefill_profiles}
     decode_pools = {Path(f).stem: load_profile(f) for f in decode_profiles}
@@ -164,7 +189,7 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
             raise ValueError(f"the earlier result's pools ran on {sorted(missing)}: give --prefill-profile / "
                              "--decode-profile for them")
     else:
-        found, on = _search(planner, spec, max_workers, colocated_chunks)
+        found, on = _search(planner, spec, max_workers, colocated_chunks, jobs)
     search_wall = time.perf_counter() - t0
     scalers: dict[str, ForecastScaler] = {}
     if found.get("planned") is not None:  # the planned split, resized through the hour
@@ -320,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a `pdserve plan --forecast ... --json` result for this trace's load: one more row, the fleet "
                         "resized by its schedule")
     p.add_argument("--jobs", type=positive_int, default=len(os.sched_getaffinity(0)),
-                   help="rows simulated at once, each in a process of its own (default: the cores this "
-                        "process may use)")
+                   help="searches and rows run at once, each in a process of its own (default: the cores "
+                        "this process may use)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -99,3 +99,28 @@ def test_the_study_runs_a_fleet_resized_by_a_plan_through_a_forecast_of_its_load
     assert _variant("0.02,0.08:120:profile") == ((0.02, 0.08), 120.0, "profile")  # each pool its own headroom
     with pytest.raises(argparse.ArgumentTypeError, match="PREFILL,DECODE"):
         _variant("0.02,0.08,0.1:120")
+
+
+def test_the_searches_in_processes_of_their_own_find_what_one_process_finds():
+    """The study's searches (the planned split's on each pairing of profiles, then static 1:1's and
+    colocated's) in 2 processes: the same configurations, and the same trials in the same order."""
+    from dataclasses import replace
+
+    from services.planner.plan import Planner, PlanSpec
+    from services.planner.study import _search, busiest, trace
+    from shared.sim.cost import load_profile
+
+    tp4 = ROOFLINE.with_name("roofline-llama3-70b-tp4-h100.json")
+    search = busiest(trace(10.0, 240.0, 0), 60.0)
+    spec = PlanSpec(4000, 40, 30, modes=("disaggregated",), kv_path="network", attainment_pct=95.0,
+                    prefill_inflights=(2,))
+
+    def searched(jobs: int):
+        planner = Planner(load_profile(ROOFLINE), spec, lambda: [replace(r) for r in search], 40,
+                          {tp4.stem: load_profile(tp4)}, {})
+        found, on = _search(planner, spec, 30, (2048,), jobs)
+        return found, on, [(key, t.gpus, t.ttft_p90_ms) for key, t in planner.trials.items()]
+
+    one, two = searched(1), searched(2)
+    assert one[0]["planned"] and one[0]["static 1:1"] and one[0]["static 1:1, 2 jobs a prefill worker"]
+    assert one == two
