@@ -33,6 +33,7 @@ import sys
 from collections.abc import Callable, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -266,18 +267,14 @@ class Planner:
         big = max(1, spec.budget - 1)
         guess = self.guess(replace(base, prefill=big, decode=big), *pools)
 
-        def pool(i: int) -> tuple[int | None, dict]:  # each pool's size on its own, the other one roomy
+        def pool(i: int) -> int | None:  # each pool's size on its own, the other one roomy
             make = (lambda n: replace(base, prefill=n, decode=big)) if i == 0 else \
                 (lambda n: replace(base, prefill=big, decode=n))
             return self.smallest(make, (lambda t: t.ttft_ok) if i == 0 else (lambda t: t.itl_ok), big, guess[i],
-                                 *pools), self.trials
+                                 *pools)
 
-        if self._jobs_within > 1:  # the plan's only search: the two pools' bisections at once
-            (p, prefill_trials), (d, decode_trials) = fork_map(pool, (0, 1), self._jobs_within)
-            self.adopt(prefill_trials)
-            self.adopt(decode_trials)
-        else:
-            (p, _), (d, _) = pool(0), pool(1)
+        # the plan's only search (_jobs_within > 1): the two pools' bisections at once
+        p, d = self.at_once([partial(pool, 0), partial(pool, 1)], self._jobs_within)
         if p is None or d is None:
             return None
         while p + d <= spec.budget:
@@ -334,18 +331,20 @@ class Planner:
                     out.append(("plan_single_pool", (mode, chunk)))
         return out
 
-    def adopt(self, trials: dict) -> None:
-        """Trials a forked process ran, kept in its order after those already here (the order one
-        process would have run them in)."""
-        for key, t in trials.items():
-            self.trials.setdefault(key, t)
+    def at_once(self, searches: list[Callable[[], Any]], jobs: int) -> list:
+        """[search() for search in searches], `jobs` at once in forked processes (fork_map). The
+        trials each one ran, and what the profile sizer said where it began, are kept here in the
+        order one process would have run them in."""
+        def run(i: int) -> tuple[Any, dict, dict]:  # (an index: a search holds the planner, never pickled)
+            return searches[i](), self.trials, self.sized
 
-    def _search(self, i: int) -> tuple[Trial | None, dict, dict]:
-        """Search `i` of `searches()` alone, in a forked worker process: what it found, every trial it
-        ran (with those the planner held before), what the profile sizer said where it began."""
-        method, args = self.searches()[i]
-        self.sized = {}
-        return getattr(self, method)(*args), self.trials, self.sized
+        out = []
+        for result, trials, sized in fork_map(run, range(len(searches)), jobs):
+            for key, t in trials.items():
+                self.trials.setdefault(key, t)
+            self.sized.update(sized)
+            out.append(result)
+        return out
 
     def plan(self, jobs: int = 1) -> dict[str, Any]:
         """The cheapest configuration found, its runner-ups and the rejected ones. `jobs` > 1: the
@@ -354,11 +353,7 @@ class Planner:
         bisects its two pools at once instead."""
         searches = self.searches()
         if jobs > 1 and len(searches) > 1:
-            found = []
-            for trial, trials, sized in fork_map(self._search, range(len(searches)), jobs):
-                found.append(trial)
-                self.adopt(trials)
-                self.sized.update(sized)
+            found = self.at_once([partial(getattr(self, method), *args) for method, args in searches], jobs)
         else:
             self._jobs_within = jobs  # one search (or one process): it may split its pools
             try:

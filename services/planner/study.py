@@ -52,7 +52,6 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -97,8 +96,8 @@ def _search(planner: Planner, spec: PlanSpec, max_workers: int, colocated_chunks
     `jobs` of them run at once, and the answer is the one a single process gives."""
     found: dict[str, ClusterConfig | None] = {}
     on: dict[str, Pools] = {}
-    tried = _at_once(planner, [partial(planner.plan_disaggregated, None, pp, inflight, dp)
-                               for pp, dp in planner.pairings() for inflight in spec.prefill_inflights], jobs)
+    tried = planner.at_once([partial(planner.plan_disaggregated, None, pp, inflight, dp)
+                             for pp, dp in planner.pairings() for inflight in spec.prefill_inflights], jobs)
     planned = min((t for t in tried if t is not None), key=lambda t: t.gpus, default=None)
     found["planned"] = planned.config if planned else None
     on["planned"] = (planned.prefill_profile, planned.decode_profile) if planned else (None, None)
@@ -115,8 +114,8 @@ def _search(planner: Planner, spec: PlanSpec, max_workers: int, colocated_chunks
     def one_pool(colo: ClusterConfig) -> int | None:
         return planner.smallest(lambda k: replace(colo, decode=k), lambda t: t.meets(spec), max_workers)
 
-    counts = _at_once(planner, [partial(equal_pools, b) for b in statics] + [partial(one_pool, c) for c in colos],
-                      jobs)
+    counts = planner.at_once([partial(equal_pools, b) for b in statics] + [partial(one_pool, c) for c in colos],
+                             jobs)
     for inflight, base, n in zip(inflights, statics, counts):
         name = "static 1:1" if inflight is None else f"static 1:1, {inflight} jobs a prefill worker"
         found[name] = replace(base, prefill=n, decode=n) if n else None
@@ -125,19 +124,6 @@ def _search(planner: Planner, spec: PlanSpec, max_workers: int, colocated_chunks
         if n and (found["colocated"] is None or n < found["colocated"].decode):
             found["colocated"] = replace(colo, decode=n)
     return found, on
-
-
-def _at_once(planner: Planner, searches: list[Callable[[], Any]], jobs: int) -> list:
-    """[search() for search in searches], `jobs` at once in forked processes (fork_map), the trials
-    each one ran kept in the planner in the order one process would have run them."""
-    def run(i: int) -> tuple[Any, dict]:  # (an index: the searches hold the planner, which is not pickled)
-        return searches[i](), planner.trials
-
-    out = []
-    for result, trials in fork_map(run, range(len(searches)), jobs):
-        planner.adopt(trials)
-        out.append(result)
-    return out
 
 
 def config_of(name: str, row: dict[str, Any] | None) -> ClusterConfig | None:
