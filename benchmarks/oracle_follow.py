@@ -74,7 +74,7 @@ def run(study: dict, headroom: tuple[float, float], startup_s: float, oracle: bo
     slo = study["slo"]
     sizer = ProfileSizer(main, slo["ttft_ms"] / 1e3, slo["tpot_ms"] / 1e3, slo["attainment_pct"] / 100,
                          kv_path="network")
-    room = headroom[0] if headroom[0] == headroom[1] else headroom
+    room = headroom  # (prefill, decode): the scaler's own per-pool headroom
     if oracle and headroom[0] != headroom[1]:  # as its recorded runs: each pool's headroom on its backlog too
         sizer, room = PoolHeadroom(sizer, headroom), 0.0
     common = dict(interval_s=interval_s, startup_s=startup_s, headroom=room, current=[config.prefill, config.decode],
