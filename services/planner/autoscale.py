@@ -456,6 +456,10 @@ def add_policy_args(g, what: str, startup_s: float) -> None:
                    help=f"forecast: seconds from adding a {what} until it serves (how far ahead to forecast)")
     g.add_argument("--headroom", type=headroom_arg, default=0.1, metavar="H | PREFILL,DECODE",
                    help="forecast: capacity above the forecast, for both pools or each its own")
+    g.add_argument("--season-s", type=float, default=None, metavar="SECONDS",
+                   help="forecast: the load's period (86400: a day). Once a whole one is seen, the forecast is what "
+                        "the load did a period ago at today's level, where that shape explains the latest intervals "
+                        "(the turns of a daily swing foreseen, not seen late); kept in memory: a restart sees it anew")
     g.add_argument("--schedule", default=None, metavar="PLAN.json",
                    help=f"forecast: a `pdserve plan --forecast ... --json` result: each pool at least the {what}s "
                         "its schedule has for now (clock times: in the plan's --timezone, else this machine's local "
@@ -481,7 +485,7 @@ def forecast_scaler(args, config: AutoscaleConfig, command: str, kv_path: str = 
         return ForecastScaler(sizer, interval_s=config.interval_s, startup_s=args.startup_s,
                               headroom=args.headroom, min_workers=(config.min_prefill, config.min_decode),
                               max_workers=(config.max_prefill, config.max_decode), budget=config.budget,
-                              gpus=config.gpus, floor=floor)
+                              gpus=config.gpus, floor=floor, season_s=args.season_s)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"{command}: {exc}") from None
 
@@ -507,6 +511,8 @@ def limits_config(args, *, colocated: bool = False, started: tuple[int, int] = (
     worker of each pool holds `gpus` of the budget (the default budget: both pools at their maximum)."""
     if getattr(args, "schedule", None) and args.policy != "forecast":
         raise ValueError("--schedule is a floor under the forecast policy: give --policy forecast")
+    if getattr(args, "season_s", None) and args.policy != "forecast":
+        raise ValueError("--season-s is the forecast policy's: give --policy forecast")
     max_prefill = 0 if colocated else max(args.max_prefill, started[0])
     max_decode = max(args.max_decode, started[1])
     ttft_ms, itl_ms = (default if given is None else given for given, default in

@@ -86,6 +86,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--startup-s", type=float, default=120.0, help="seconds from adding a worker until it serves")
     g.add_argument("--headroom", type=headroom_arg, default=0.1, metavar="H | PREFILL,DECODE",
                    help="capacity above the forecast, for both pools or each its own")
+    g.add_argument("--season-s", type=float, default=None, metavar="SECONDS",
+                   help="the load's period: once a whole one is seen, the forecast is what the load did a period ago "
+                        "at today's level, where that shape explains the latest intervals")
     g.add_argument("--max-workers", type=int, default=10_000, help="prefill + decode workers at most")
 
 
@@ -135,7 +138,7 @@ def make_scaler(args: argparse.Namespace, config: ClusterConfig, profile: Profil
     start = [config.prefill if config.mode != "colocated" else 1, config.decode]
     return ForecastScaler(sizer, interval_s=args.scale_interval, startup_s=args.startup_s,
                           headroom=args.headroom, current=start, budget=args.max_workers,
-                          max_workers=(args.max_workers, args.max_workers))
+                          max_workers=(args.max_workers, args.max_workers), season_s=args.season_s)
 
 
 def request_list(args: argparse.Namespace) -> list:

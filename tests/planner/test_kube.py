@@ -474,6 +474,13 @@ def test_up_forecast_policy_sizes_from_the_shipped_profile_unless_given_a_capaci
     given = up("--capacity", "2,5", "--headroom", "0.02,0.08")
     assert "policy: forecast, 2 and 5 req/s a prefill and a decode worker, 2% prefill, 8% decode headroom" \
         in given.stdout
+    seasonal = up("--capacity", "2,5", "--season-s", "86400")
+    assert "headroom, 10 s from adding one to serving, the load of 86400 s ago where it repeats" in seasonal.stdout
+    short = up("--season-s", "20")  # a startup of 10 s and three intervals of 5 s: 25 s at least
+    assert short.returncode != 0 and "a season must span a startup" in short.stdout + short.stderr
+    reactive = subprocess.run([sys.executable, "-m", "services.cli", "up", "--autoscale", "--dry-run", "--season-s",
+                               "86400"], capture_output=True, text=True, timeout=60)
+    assert reactive.returncode == 2 and "--season-s is the forecast policy's" in reactive.stderr
     bad = up("--headroom", "0.1,-1")
     assert bad.returncode == 2 and "--headroom: takes H or PREFILL,DECODE" in bad.stderr
     missing = up("--profile", "/nonexistent/gpu.json")
