@@ -692,10 +692,14 @@ class Cluster:
 
     # -------------------------------------------------------------------------------- report
 
-    def report(self, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> dict[str, Any]:
+    def report(self, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
+               since_s: float = 0.0) -> dict[str, Any]:
+        """`since_s`: the requests that arrived from then on, and the workers' time from then on (the
+        run before it a warm-up: a resized fleet that has seen a day's load before the day measured)."""
         rec = self.rec
         end = max(rec.finish_s, default=0.0)
-        summary = rec.summarize(end, self.profile.request_overhead_s, slo_ttft_ms, slo_tpot_ms)
+        span = end - since_s
+        summary = rec.summarize(span, self.profile.request_overhead_s, slo_ttft_ms, slo_tpot_ms, since_s)
         everyone = self.prefill_pool + self.decode_pool + self.retired
         by_role = {role: [w for w in everyone if w.role == role] for role in ("prefill", "decode", "colocated")}
         cost = {}
@@ -703,10 +707,13 @@ class Cluster:
             if not pool:
                 continue
             busy = sum(w.busy_s for w in pool)
-            alive_s = sum((end if w.retired_s is None else w.retired_s) - w.born_s for w in pool)
-            cost[name] = {"workers": alive_s / end if end > 0 else float(len(pool)), "max_workers": self._peak(name),
+            alive_s = sum(max(0.0, (end if w.retired_s is None else w.retired_s) - max(w.born_s, since_s))
+                          for w in pool)
+            lived = sum((end if w.retired_s is None else w.retired_s) - w.born_s for w in pool)  # the whole run
+            cost[name] = {"workers": alive_s / span if span > 0 else float(len(pool)),
+                          "max_workers": self._peak(name),
                           "busy_s": busy, "gpu_s": alive_s * pool[0].profile.limits.gpus_per_worker,
-                          "utilization": busy / alive_s if alive_s > 0 else 0.0,
+                          "utilization": busy / lived if lived > 0 else 0.0,  # (over the whole run)
                           "preemptions": sum(w.preemptions for w in pool),
                           "max_kv_blocks_used": max(w.max_used_blocks for w in pool),
                           "kv_blocks_budget": pool[0].total_blocks}
@@ -716,7 +723,7 @@ class Cluster:
         summary["cost"] = cost
         # workers over time: the mean of a fleet that changed size, the count of one that did not
         n = sum(c["workers"] for k, c in cost.items() if k in by_role)
-        gpus = sum(c["gpu_s"] for k, c in cost.items() if k in by_role) / end if end > 0 else \
+        gpus = sum(c["gpu_s"] for k, c in cost.items() if k in by_role) / span if span > 0 else \
             sum(len(pool) * pool[0].profile.limits.gpus_per_worker for pool in by_role.values() if pool)
         good = summary["goodput"]
         summary["per_gpu"] = {"workers": n, "gpus": gpus, "request_throughput": summary["request_throughput"] / gpus,
@@ -744,15 +751,19 @@ class Cluster:
 def simulate(profile: Profile, config: ClusterConfig, arrivals: Iterable[SimRequest], *,
              closed: ClosedLoop | None = None, itl_from_s: float | None = None, slo_ttft_ms: float | None = None,
              slo_tpot_ms: float | None = None, check: bool = False, scaler: Scaler | None = None,
-             prefill_profile: Profile | None = None) -> dict[str, Any]:
+             prefill_profile: Profile | None = None, measure_from_s: float = 0.0) -> dict[str, Any]:
     """Run to the end; the summary (bench's shape) plus cost per phase and the simulator's own speed.
     `scaler`: the pools change size as it decides (else they keep the config's counts).
-    `prefill_profile`: the prefill pool's own (else `profile`'s)."""
+    `prefill_profile`: the prefill pool's own (else `profile`'s).
+    `measure_from_s`: the summary and the cost of the requests that arrived from then on and of the
+    workers' time from then on (and ITL from then on, unless `itl_from_s` says); before it a warm-up."""
     t0 = time.perf_counter()
+    if itl_from_s is None and measure_from_s:
+        itl_from_s = measure_from_s
     cluster = Cluster(profile, config, itl_from_s=itl_from_s, scaler=scaler, prefill_profile=prefill_profile)
     cluster.run(arrivals, closed, check_every=97 if check else 0)
     cluster.check_invariants(final=True)
-    summary = cluster.report(slo_ttft_ms, slo_tpot_ms)
+    summary = cluster.report(slo_ttft_ms, slo_tpot_ms, measure_from_s)
     wall = time.perf_counter() - t0
     summary["sim"] = {"events": cluster.events, "wall_s": wall, "requests_per_wall_s": summary["sent"] / max(wall, 1e-9),
                       "mode": config.mode, "prefill": config.prefill if config.mode != "colocated" else 0,

@@ -198,14 +198,17 @@ class Recorder:
     # ------------------------------------------------------------------------------- summary
 
     def summarize(self, duration_s: float, overhead_s: float = 0.0, slo_ttft_ms: float | None = None,
-                  slo_tpot_ms: float | None = None) -> dict[str, Any]:
-        summary = self._summary(np.arange(len(self.arrival)), self._merged(range(len(self.kinds))), duration_s,
+                  slo_tpot_ms: float | None = None, since_s: float = -math.inf) -> dict[str, Any]:
+        """The requests that arrived from `since_s` on (all of them, as a rule), over `duration_s`."""
+        counted = np.array(self.arrival) >= since_s
+        summary = self._summary(np.nonzero(counted)[0], self._merged(range(len(self.kinds))), duration_s,
                                 overhead_s, slo_ttft_ms, slo_tpot_ms)
         kinds = sorted(set(self.kind))
         if len(kinds) > 1:
             kind_arr = np.array(self.kind)
-            summary["by_kind"] = {self.kinds[k]: self._summary(np.nonzero(kind_arr == k)[0], self.hists[k], duration_s,
-                                                               overhead_s, slo_ttft_ms, slo_tpot_ms)
+            summary["by_kind"] = {self.kinds[k]: self._summary(np.nonzero(counted & (kind_arr == k))[0],
+                                                               self.hists[k], duration_s, overhead_s, slo_ttft_ms,
+                                                               slo_tpot_ms)
                                   for k in kinds}
         return summary
 

@@ -361,6 +361,31 @@ def test_pools_change_size_and_a_removed_worker_drains_first(mode):
     assert s["per_gpu"]["gpus"] < fixed["per_gpu"]["gpus"]
 
 
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_a_run_measured_from_a_time_counts_the_requests_and_the_workers_time_from_then_on(mode):
+    """`measure_from_s`: what came before is a warm-up (the study's first day): the requests that
+    arrived from then on, over the time from then on, and the GPUs held from then on."""
+    reqs = _requests(n=120, rate=8.0)
+    cluster = Cluster(PROFILE, ClusterConfig(mode=mode, prefill=1, decode=1),
+                      scaler=Scripted([(0.0, 1, 1), (2.0, 3, 3), (8.0, 1, 1)]))
+    cluster.run([replace(r) for r in reqs], check_every=1)
+    since, end = 10.0, max(cluster.rec.finish_s)
+    s = cluster.report(since_s=since)
+    assert s["sent"] == sum(r.arrival_s >= since for r in reqs) < 120 and s["completed"] == s["sent"]
+    assert s["duration_s"] == pytest.approx(end - since)
+    role = "colocated" if mode == "colocated" else "decode"
+    everyone = [w for w in cluster.retired + cluster.decode_pool if w.role != "prefill"]
+    alive = sum(max(0.0, (end if w.retired_s is None else w.retired_s) - max(w.born_s, since)) for w in everyone)
+    assert s["cost"][role]["workers"] == pytest.approx(alive / (end - since))
+    assert s["cost"][role]["workers"] < cluster.report()["cost"][role]["workers"]  # the 3 workers mostly before
+    fixed = simulate(PROFILE, ClusterConfig(mode=mode, prefill=3, decode=3), [replace(r) for r in reqs],
+                     measure_from_s=since)
+    per = PROFILE.limits.gpus_per_worker
+    assert fixed["per_gpu"]["gpus"] == pytest.approx((3 if mode == "colocated" else 6) * per)  # held throughout
+    assert fixed["sent"] == s["sent"]
+    assert fixed["request_throughput"] == pytest.approx(s["sent"] / fixed["duration_s"])
+
+
 def test_a_worker_removed_while_loading_never_serves():
     reqs = _requests(n=30, rate=5.0)
     scaler = Scripted([(0.0, 1, 1), (1.0, 1, 2), (2.0, 1, 1)], interval_s=1.0, startup_s=5.0)
@@ -388,6 +413,10 @@ def test_simulate_cli_resizes_with_the_forecast_planner():
     assert "of each 5 minutes' arrivals" in proc.stderr
     assert max(p + d for _, p, d in s["scaling"]["log"]) <= 6  # 2 req/s ÷ 0.5 wants 4 + 4: the budget binds
     assert s["cost"]["prefill"]["max_workers"] > 1 and 1 < s["per_gpu"]["workers"] <= 6
+    short = subprocess.run([sys.executable, "-m", "services.cli", "simulate", "--workload", "chat", "--duration", "20",
+                            "--scale-capacity", "0.5,0.5", "--scale-interval", "10", "--startup-s", "10",
+                            "--season-s", "30"], capture_output=True, text=True, timeout=120)
+    assert short.returncode != 0 and "a season must span a startup and three intervals" in short.stderr, short.stderr
 
 
 def test_pools_on_one_hosts_cores_lend_them_while_idle():
