@@ -4,6 +4,8 @@ no simulation: what the forecast and the hysteresis do, in seconds instead of mi
 
     python benchmarks/forecast_replay.py            (the mean fleet, the oracle's, and the excess by 5 minutes)
     python benchmarks/forecast_replay.py --minutes  (and each minute's decision)
+    python benchmarks/forecast_replay.py --days 2 [--season]   (the second of two days: the forecaster warm
+                                                               [and told the period])
 
 The oracle's want is the true rate's highest from now to a startup and an interval ahead (as in
 oracle_follow.py). The fleet starts at the peak's size, as the study's resized rows do.
@@ -29,9 +31,11 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=3600.0)
     p.add_argument("--startup", type=float, default=120.0)
     p.add_argument("--interval", type=float, default=60.0)
+    p.add_argument("--days", type=int, default=1, help="periods of the swing replayed; the last one is measured")
+    p.add_argument("--season", action="store_true", help="the forecaster knows the period (its `season_s`)")
     p.add_argument("--minutes", action="store_true", help="print each decision")
     args = p.parse_args()
-    arrivals = sorted(r.arrival_s for r in trace(args.rate, args.duration, 0))
+    arrivals = sorted(r.arrival_s for r in trace(args.rate, args.duration, 0, days=args.days))
 
     def rate(t: float) -> float:
         return args.rate * (1 + 0.5 * math.sin(2 * math.pi * t / args.duration))
@@ -42,12 +46,16 @@ def main() -> int:
 
     peak = math.ceil(1.5 * args.rate)
     s = ForecastScaler(Capacity(1.0, 1.0), interval_s=args.interval, startup_s=args.startup, headroom=0.0,
-                       current=[peak, peak], max_workers=(10**6, 10**6), budget=10**7)
+                       current=[peak, peak], max_workers=(10**6, 10**6), budget=10**7,
+                       season_s=args.duration if args.season else None)
     steps = int(args.duration // args.interval)
     fleet, want = [], []
-    for k in range(steps):
+    for k in range(steps * args.days):
         t = args.interval * k
-        fleet.append(s.targets(t, bisect.bisect_right(arrivals, t))[0])
+        wants = s.targets(t, bisect.bisect_right(arrivals, t))[0]
+        if k < steps * (args.days - 1):
+            continue
+        fleet.append(wants)
         want.append(oracle(t))
         if args.minutes:
             print(f"{t:6.0f} s  fleet {fleet[-1]:4d}  oracle {want[-1]:4d}  {fleet[-1] - want[-1]:+d}")

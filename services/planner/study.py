@@ -43,6 +43,8 @@ carries more per GPU on TP8 (the weights read once a step for more sequences).
     python -m services.planner.study --prefill-profile shared/sim/profiles/roofline-llama3-70b-tp4-h100.json \
         --prefill-inflights 2,4,8 --max-workers 400 --out study.json
     python -m services.planner.study --configs-from study.json --out study2.json      (no searches: ≈ 10 min)
+    python -m services.planner.study --configs-from study.json --days 2 --variant 0.02,0.08:120:profile:season \
+        --out study3.json      (each row on the second of two days: the resized fleets warm)
 """
 
 from __future__ import annotations
@@ -69,8 +71,10 @@ log = logging.getLogger("pdserve.study")
 SCHEDULED = "planned through a forecast of the hour (pdserve plan --forecast)"
 
 
-def trace(rate: float, duration_s: float, seed: int) -> list:
-    return [_trace_row(row, 1.0) for row in mooncake_shaped_trace(duration_s, rate, seed, period_s=duration_s)]
+def trace(rate: float, duration_s: float, seed: int, days: int = 1) -> list:
+    """`days` periods of `duration_s` (the swing's period) in a row."""
+    rows = mooncake_shaped_trace(days * duration_s, rate, seed, period_s=duration_s)
+    return [_trace_row(row, 1.0) for row in rows]
 
 
 def busiest(requests: list, window_s: float) -> list:
@@ -143,10 +147,13 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
               variants: tuple[tuple, ...] = (), configs_from: dict[str, Any] | None = None,
               prefill_profiles: tuple[str, ...] = (), prefill_inflights: tuple[int | None, ...] = (None,),
               decode_profiles: tuple[str, ...] = (), schedule: dict[str, Any] | None = None,
-              jobs: int = 1) -> dict[str, Any]:
-    """`variants`: more (headroom, startup_s[, "capacity" | "profile"][, "line"][, "schedule"]) for the scaled
-    fleet, each a row of its own, sized by the planned split's capacity per worker (the default) or by the
-    profile; "schedule": never below `schedule`'s pools (the forecast policy's floor).
+              jobs: int = 1, days: int = 1) -> dict[str, Any]:
+    """`variants`: more (headroom, startup_s[, "capacity" | "profile"][, "line"][, "schedule"][, "season"]) for
+    the scaled fleet, each a row of its own, sized by the planned split's capacity per worker (the default) or
+    by the profile; "schedule": never below `schedule`'s pools (the forecast policy's floor); "season": the
+    forecaster knows the swing's period (`duration_s`: ForecastScaler.season_s).
+    `days`: the swing `days` times in a row, every row measured on the last one (the rows before it a
+    warm-up: the resized fleets start as they would on a day that follows another, not as a deployment).
     `configs_from`: an earlier result of the study: its configurations are simulated again without
     the searches (for a change to the scaled fleet's policy, which the searches do not depend on).
     `prefill_profiles`, `decode_profiles`: files of the same model on other tensor-parallel groups,
@@ -159,8 +166,10 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
     prefill_pools = {Path(f).stem: load_profile(f) for f in prefill_profiles}
     decode_pools = {Path(f).stem: load_profile(f) for f in decode_profiles}
     pools = prefill_pools | decode_pools
-    full = trace(rate, duration_s, seed)
-    search = busiest(full, search_s)
+    if days < 1 or (days > 1 and schedule is not None):
+        raise ValueError("the study needs days >= 1, and one day for a schedule (its periods are the hour's)")
+    full = trace(rate, duration_s, seed, days)
+    search = busiest([r for r in full if r.arrival_s < duration_s], search_s)  # (the first day: as with days=1)
     spec = PlanSpec(slo_ttft_ms, slo_tpot_ms, max_workers, modes=("disaggregated",), kv_path="network",
                     attainment_pct=attainment, prefill_inflights=prefill_inflights)
     planner = Planner(profile, spec, lambda: [replace(r) for r in search], slo_tpot_ms, prefill_pools, decode_pools)
@@ -185,22 +194,24 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
         # profile sizer prices decode on the decode pool's profile (prefill: by the mix's measured seconds)
         sized = ProfileSizer(pools[dp] if dp else profile, slo_ttft_ms / 1e3, slo_tpot_ms / 1e3, attainment / 100,
                              kv_path="network")
-        runs = [("planned, scaled over the hour", cap, headroom, startup_s, False, False),
-                ("planned, scaled over the hour, sized from the profile", sized, headroom, startup_s, False, False)]
+        runs = [("planned, scaled over the hour", cap, headroom, startup_s, False, False, False),
+                ("planned, scaled over the hour, sized from the profile", sized, headroom, startup_s, False, False,
+                 False)]
         for room, startup, *how in variants:
-            by_profile, line, floored = "profile" in how, "line" in how, "schedule" in how
+            by_profile, line, floored, season = "profile" in how, "line" in how, "schedule" in how, "season" in how
             if floored and schedule is None:
                 raise ValueError("a variant with :schedule needs the plan's schedule (--schedule)")
             runs.append((f"planned, scaled over the hour{', sized from the profile' if by_profile else ''} "
                          f"(headroom {_rooms(room)}, startup {startup:g} s{', a line forecast' if line else ''}"
-                         f"{', the forecast plan’s schedule as a floor' if floored else ''})",
-                         sized if by_profile else cap, room, startup, line, floored))
-        for name, sizer, room, startup, line, floored in runs:
+                         f"{', the forecast plan’s schedule as a floor' if floored else ''}"
+                         f"{', the swing’s period known' if season else ''})",
+                         sized if by_profile else cap, room, startup, line, floored, season))
+        for name, sizer, room, startup, line, floored, season in runs:
             # `line`: no bend, and hysteresis in a decline too (as the forecaster was until 2026-12-06's afternoon)
             old = {"curvature": False, "down_after_falling": ForecastScaler.down_after} if line else {}
             scalers[name] = ForecastScaler(sizer, interval_s=interval_s, startup_s=startup, headroom=room,
                                            current=[p.prefill, p.decode], max_workers=(max_workers, max_workers),
-                                           budget=max_workers, **old,
+                                           budget=max_workers, **old, season_s=duration_s if season else None,
                                            floor=_schedule_scaler(schedule, interval_s).floor if floored else None)
             found[name] = p
             on[name] = on["planned"]
@@ -221,7 +232,7 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
         pp, dp = on.get(name, (None, None))
         main, prefill = pool_profiles(profile, pools.get(pp), pools.get(dp))
         s = simulate(main, config, [replace(r) for r in full], slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
-                     scaler=scaler, prefill_profile=prefill)
+                     scaler=scaler, prefill_profile=prefill, measure_from_s=(days - 1) * duration_s)
         gpus = s["per_gpu"]["gpus"]  # a scaled fleet: the mean over the run
         cost = {k: v for k, v in s["cost"].items() if "workers" in v}
         gpw = {"prefill": (prefill or main).limits.gpus_per_worker}
@@ -251,7 +262,7 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
                 ratios[f"{mine}_vs_{other}"] = rows[mine]["goodput_per_gpu"] / rows[other]["goodput_per_gpu"]
     return {"profile": profile_path, "profile_meta": profile.meta,
             "prefill_profiles": {name: pool.meta for name, pool in pools.items()}, "rate": rate,
-            "duration_s": duration_s,
+            "duration_s": duration_s, "days": days,
             "search_s": search_s, "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms, "attainment_pct": attainment},
             "rows": rows, "goodput_per_gpu_ratios": ratios, "simulations": len(planner.trials) + len(found),
             "search_wall_s": search_wall if configs_from is None else configs_from.get("search_wall_s"),
@@ -270,7 +281,7 @@ def _scaling(scaler: ForecastScaler | ScheduleScaler, s: dict[str, Any], interva
     """How a resized fleet was resized: its policy's settings, its changes, the SLOs met per window."""
     out: dict[str, Any] = {"interval_s": interval_s, "startup_s": scaler.startup_s}
     if isinstance(scaler, ForecastScaler):
-        out |= {"headroom": scaler.headroom, "curvature": scaler.curvature,
+        out |= {"headroom": scaler.headroom, "curvature": scaler.curvature, "season_s": scaler.season_s,
                 "down_after": [scaler.down_after, scaler.down_after_falling], **scaler.sizer.describe()}
     else:
         out["schedule"] = [list(x) for x in zip(scaler.starts, scaler.counts)]
@@ -282,18 +293,22 @@ def _rooms(room: float | tuple[float, float]) -> str:
     return f"{room:g}" if isinstance(room, (int, float)) else ",".join(f"{h:g}" for h in room)
 
 
+FLAGS = ("line", "schedule", "season")  # a variant's, in this order after its sizer
+
+
 def _variant(text: str) -> tuple:
-    """HEADROOM:STARTUP[:capacity|:profile][:line][:schedule] as (headroom, startup_s, *those flags); HEADROOM
-    one for both pools, or PREFILL,DECODE."""
+    """HEADROOM:STARTUP[:capacity|:profile][:line][:schedule][:season] as (headroom, startup_s, *those flags);
+    HEADROOM one for both pools, or PREFILL,DECODE."""
     try:
         room, startup, *how = text.split(":")
         sizer = [h for h in how[:1] if h in ("capacity", "profile")]
-        if how[len(sizer):] not in ([], ["line"], ["schedule"], ["line", "schedule"]):
+        flags = how[len(sizer):]
+        if not all(f in FLAGS for f in flags) or flags != sorted(set(flags), key=FLAGS.index):
             raise ValueError
         return (headroom_arg(room), float(startup), *how)
     except (ValueError, argparse.ArgumentTypeError):
         raise argparse.ArgumentTypeError(f"{text!r}: want HEADROOM:STARTUP (HEADROOM: H or PREFILL,DECODE), then "
-                                         ":capacity or :profile, then :line, then :schedule") from None
+                                         ":capacity or :profile, then :line, :schedule, :season") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,11 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--headroom", type=headroom_arg, default=0.1, metavar="H | PREFILL,DECODE",
                    help="capacity above the forecast, for both pools or each its own")
     p.add_argument("--variant", action="append", default=[], type=_variant,
-                   metavar="HEADROOM:STARTUP[:profile][:line][:schedule]",
+                   metavar="HEADROOM:STARTUP[:profile][:line][:schedule][:season]",
                    help="another scaled fleet with this headroom (H or PREFILL,DECODE) and startup, sized by the "
                         "planned capacity per worker or (':profile') from the profile; ':line': its forecast a line, "
-                        "with no bend, and hysteresis in a decline too; ':schedule': never below --schedule's pools "
-                        "(repeatable)")
+                        "with no bend, and hysteresis in a decline too; ':schedule': never below --schedule's pools; "
+                        "':season': the forecaster knows the swing's period (--duration) (repeatable)")
     p.add_argument("--prefill-profile", action="append", default=[], metavar="FILE",
                    help="the same model on another tensor-parallel group: the planned prefill pool may run on it "
                         "(repeatable)")
@@ -333,8 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=positive_int, default=len(os.sched_getaffinity(0)),
                    help="searches and rows run at once, each in a process of its own (default: the cores "
                         "this process may use)")
+    p.add_argument("--days", type=positive_int, default=1,
+                   help="the swing this many times in a row, the rows measured on the last (those before: a warm-up)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.days > 1 and args.schedule:
+        p.error("--schedule plans one day: give --days 1")
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     result = run_study(args.profile, args.rate, args.duration, args.search, args.slo_ttft_ms, args.slo_tpot_ms,
                        args.attainment, args.max_workers, interval_s=args.interval, startup_s=args.startup,
@@ -344,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                        prefill_profiles=tuple(args.prefill_profile), decode_profiles=tuple(args.decode_profile),
                        prefill_inflights=tuple(int(x) for x in args.prefill_inflights.split(",") if x.strip())
                        or (None,), schedule=json.loads(Path(args.schedule).read_text()) if args.schedule else None,
-                       jobs=args.jobs)
+                       jobs=args.jobs, days=args.days)
     print(json.dumps(result["rows"], indent=1))
     print(json.dumps(result["goodput_per_gpu_ratios"]))
     if args.out:

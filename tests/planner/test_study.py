@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.planner.study import _schedule_scaler, _variant, run_study
+from services.planner.study import _schedule_scaler, _variant, run_study, trace
 
 ROOFLINE = Path(__file__).parents[2] / "shared/sim/profiles/roofline-llama3-70b-tp8-h100.json"
 
@@ -95,10 +95,41 @@ def test_the_study_runs_a_fleet_resized_by_a_plan_through_a_forecast_of_its_load
     for t, p, d in floored["scaling"]["log"]:
         assert p >= floor(t)[0] and d >= floor(t)[1], (t, p, d, floor(t))
     with pytest.raises(argparse.ArgumentTypeError):
-        _variant("0.1:60:schedule:line")  # the flags in their order: sizer, line, schedule
+        _variant("0.1:60:schedule:line")  # the flags in their order: sizer, line, schedule, season
+    with pytest.raises(argparse.ArgumentTypeError):
+        _variant("0.1:60:season:line")
+    assert _variant("0.1:60:profile:line:season") == (0.1, 60.0, "profile", "line", "season")
     assert _variant("0.02,0.08:120:profile") == ((0.02, 0.08), 120.0, "profile")  # each pool its own headroom
     with pytest.raises(argparse.ArgumentTypeError, match="PREFILL,DECODE"):
         _variant("0.02,0.08,0.1:120")
+
+
+def test_a_study_of_two_days_measures_the_second_where_a_fleet_that_knows_the_swing_s_period_meets_the_slos():
+    """`days=2`: every row on the second day (the first a warm-up: the resized fleets start the day as
+    they ended the last, not at the peak's size). On this small trace the swing is steep for a minute's
+    decisions (±50% over 10 minutes): the line lags the rise the day starts with, while the forecaster
+    told the period (`:season`) has seen it the day before."""
+    static = {"prefill": 8, "decode": 8, "chunk_budget": None, "prefill_inflight": None}
+    planned = {"prefill": 7, "decode": 2, "chunk_budget": None, "prefill_inflight": None}
+    hour = 600.0
+    r = run_study(str(ROOFLINE), rate=10.0, duration_s=hour, search_s=120.0, slo_ttft_ms=4000, slo_tpot_ms=40,
+                  attainment=95.0, max_workers=40, interval_s=30.0, startup_s=60.0, headroom=(0.02, 0.08),
+                  configs_from={"rows": {"static 1:1": static, "planned": planned}},
+                  variants=(((0.02, 0.08), 60.0, "profile", "season"),), days=2, jobs=2)
+    rows = r["rows"]
+    second = sum(1 for q in trace(10.0, hour, 0, days=2) if q.arrival_s >= hour)
+    assert r["days"] == 2 and {row["requests"] for row in rows.values()} == {second}
+    assert rows["static 1:1"]["gpus"] == pytest.approx(16 * 8)  # a fixed fleet: held all day
+    line = rows["planned, scaled over the hour, sized from the profile"]
+    season = rows["planned, scaled over the hour, sized from the profile (headroom 0.02,0.08, startup 60 s, the "
+                  "swing’s period known)"]
+    assert line["scaling"]["season_s"] is None and season["scaling"]["season_s"] == hour
+    assert season["attainment_pct"] >= 95.0 > line["attainment_pct"], (season["slo_attainment"],
+                                                                        line["slo_attainment"])
+    assert season["gpus"] < rows["planned"]["gpus"]
+    with pytest.raises(ValueError, match="one day for a schedule"):
+        run_study(str(ROOFLINE), rate=10.0, duration_s=hour, search_s=120.0, slo_ttft_ms=4000, slo_tpot_ms=40,
+                  attainment=95.0, max_workers=40, configs_from={"rows": {}}, schedule={"periods": []}, days=2)
 
 
 def test_the_searches_in_processes_of_their_own_find_what_one_process_finds():
