@@ -8,7 +8,8 @@ the best any forecast can do with the profile sizer. Each run against the study'
         0.03:120 0,0.03:120 forecast:0.03:120 --out oracle.json     (≈ 3.5 min a run on one core)
 
 HEADROOM, or PREFILL,DECODE headrooms (each pool's own), then the startup in seconds; `forecast:`
-runs the study's own forecaster (services/planner/forecast.py) instead of the oracle.
+runs the study's own forecaster (services/planner/forecast.py) instead of the oracle. A study of
+several days (`--days`): the runs too, measured on the last day.
 """
 
 from __future__ import annotations
@@ -84,10 +85,11 @@ def run(study: dict, headroom: tuple[float, float], startup_s: float, oracle: bo
         scaler.mean_rate, scaler.period_s = study["rate"], study["duration_s"]
     else:  # the study's forecaster, as its resized rows run it
         scaler = ForecastScaler(sizer, **common)
-    full = trace(study["rate"], study["duration_s"], 0)
+    days = study.get("days", 1)  # a study of several days: its rows on the last one, the days before a warm-up
+    full = trace(study["rate"], study["duration_s"], 0, days)
     t0 = time.perf_counter()
     s = simulate(main, config, full, slo_ttft_ms=slo["ttft_ms"], slo_tpot_ms=slo["tpot_ms"], scaler=scaler,
-                 prefill_profile=prefill)
+                 prefill_profile=prefill, measure_from_s=(days - 1) * study["duration_s"])
     gpus = s["per_gpu"]["gpus"]
     per_gpu = s["goodput"]["request_goodput"] / gpus
     static = study["rows"]["static 1:1"]

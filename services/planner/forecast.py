@@ -255,7 +255,7 @@ class ForecastScaler:
     sizer: Sizer
     BEND_Z: ClassVar[float] = 3.0  # standard errors of a parabola's curvature that make a bend (_bend)
     FALL_Z: ClassVar[float] = 3.0  # … of the line's slope that make a decline (`falling`)
-    DRIFT_Z: ClassVar[float] = 3.0  # … of a trend in the misses of last season's shape that make it another (_seasonal)
+    DRIFT_Z: ClassVar[float] = 3.0  # … of a trend in the misses of a season ago that make it another (_seasonal)
     interval_s: float = 60.0
     startup_s: float = 120.0  # a worker's GPUs are paid for from the decision; it serves this much later
     # capacity above the forecast: one for both pools, or (prefill, decode). The planning study's fleet wants
@@ -281,7 +281,7 @@ class ForecastScaler:
     # what the load did a period ago, scaled to today's level, wherever that explains the latest intervals
     season_s: float | None = None
     season_noise: float = 0.03  # how far a period's shape strays from the last one's beyond chance (relative)
-    seen: list = field(default_factory=list)  # with season_s: (start s, end s, arrivals) of each interval since
+    seen: list = field(default_factory=list)  # with season_s: (start s, end s, arrivals) per interval, a season back
     arrivals: deque = field(default_factory=deque)  # (requests, seconds), one per interval
     loads: deque = field(default_factory=deque)  # finished work, one Load per interval (the mix's window)
     mix: Mix | None = None  # of the requests finished lately (the last known, if none were)
