@@ -255,6 +255,7 @@ class ForecastScaler:
     sizer: Sizer
     BEND_Z: ClassVar[float] = 3.0  # standard errors of a parabola's curvature that make a bend (_bend)
     FALL_Z: ClassVar[float] = 3.0  # … of the line's slope that make a decline (`falling`)
+    SMOOTH: ClassVar[float] = 5.0  # intervals a season ago's rate is a mean over (_rate_then)
     DRIFT_Z: ClassVar[float] = 3.0  # … of a trend in the misses of a season ago that make it another (_seasonal)
     interval_s: float = 60.0
     startup_s: float = 120.0  # a worker's GPUs are paid for from the decision; it serves this much later
@@ -382,7 +383,7 @@ class ForecastScaler:
         self.falling = n >= 4 and (resid <= 2 * poisson or was_falling) and slope < -self.FALL_Z * se
         if abs(slope) < 2 * se:
             slope = 0.0
-        seasonal = self._seasonal(n)
+        seasonal = self._seasonal(n if any(y == 0 for y in ys) else max(n, 2 * self.history))
         if seasonal is not None:
             return seasonal
         ahead = (self.startup_s + self.interval_s) / self.interval_s  # intervals past the last observed one
@@ -399,7 +400,8 @@ class ForecastScaler:
     def _seasonal(self, k: int) -> float | None:
         """With `season_s`: the most req/s expected from now to a startup and an interval ahead, read off
         the load a season ago (`_rate_then`) and scaled to today's level — the last `k` intervals'
-        arrivals (the forecast's window) against what the same intervals had then — where that scaled
+        arrivals (the forecast's window, or 2·`history` where that is longer) against what the same
+        intervals had then — where that scaled
         shape explains those intervals: their squared misses within 3× what Poisson noise, the
         smoothing of the season's rates and `season_noise` (a day's shape strays from yesterday's by a
         few percent) would give, and no trend in the misses beyond DRIFT_Z standard errors (today's
@@ -413,7 +415,7 @@ class ForecastScaler:
         if self.season_s is None or self._last is None or k < 2 or len(self.seen) < k:
             return None
         recent, w = self.seen[-k:], self.interval_s
-        if self.seen[0][0] > recent[0][0] - self.season_s - 1.5 * w:
+        if self.seen[0][0] > recent[0][0] - self.season_s - self.SMOOTH / 2 * w:
             return None  # not a whole season (and the smoothing's reach) seen before the window
         then = [(b - a) * self._rate_then((a + b) / 2) for a, b, _ in recent]
         if not sum(then) > 0:
@@ -426,7 +428,7 @@ class ForecastScaler:
                 if n > 0:
                     return None  # arrivals where there were none a season ago
                 continue
-            var = e * (1 + level / 3)  # Poisson now, and then (a rate over 3 intervals: a third of it, ×level²)
+            var = e * (1 + level / self.SMOOTH)  # Poisson now, and then (a rate over SMOOTH intervals, ×level²)
             miss += (n - e) ** 2 / (var + (self.season_noise * e) ** 2)
             drift += (i - (k - 1) / 2) * (n - e)
             drift_var += (i - (k - 1) / 2) ** 2 * var
@@ -436,9 +438,9 @@ class ForecastScaler:
         return level * max(self._rate_then(now + span * q / 20) for q in range(21))
 
     def _rate_then(self, t: float) -> float:
-        """The arrival rate a season before `t`: arrivals seen over the 3 intervals about that moment
-        (an interval's spread evenly over it), per second."""
-        a, b = t - self.season_s - 1.5 * self.interval_s, t - self.season_s + 1.5 * self.interval_s
+        """The arrival rate a season before `t`: arrivals seen over the SMOOTH intervals about that
+        moment (an interval's spread evenly over it), per second."""
+        a, b = (t - self.season_s + f * self.SMOOTH / 2 * self.interval_s for f in (-1, 1))
         came = 0.0
         for start, end, n in self.seen[bisect.bisect_right(self.seen, a, key=lambda x: x[1]):]:
             if start >= b:
@@ -449,7 +451,7 @@ class ForecastScaler:
     def _remember(self, start: float, end: float, n: int) -> None:
         """With `season_s`: an interval's arrivals, kept for a season and a window (`_seasonal`)."""
         self.seen.append((start, end, n))
-        keep = end - self.season_s - (self.max_history + 2) * self.interval_s
+        keep = end - self.season_s - (max(self.max_history, 2 * self.history) + self.SMOOTH) * self.interval_s
         if self.seen[0][1] < keep - 10 * self.interval_s:  # trimmed now and then, not every interval
             del self.seen[:bisect.bisect_left(self.seen, keep, key=lambda x: x[1])]
 

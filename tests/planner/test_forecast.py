@@ -173,7 +173,7 @@ def test_a_season_seen_foresees_the_trough_s_turn_at_today_s_level_and_a_day_unl
     s = ForecastScaler(Capacity(10.0, 20.0), interval_s=60, startup_s=120, season_s=86400.0)
     assert "the load of 86400 s ago where it repeats" in s.describe()
     _feed(s, [100.0] * 3000)  # what it keeps: a season and a window, not every interval since it began
-    assert len(s.seen) <= 86400 / 60 + s.max_history + 13
+    assert len(s.seen) <= 86400 / 60 + max(s.max_history, 2 * s.history) + s.SMOOTH + 11
 
 
 def test_a_decline_beyond_chance_shrinks_the_pools_at_once_a_dip_does_not():
