@@ -43,8 +43,10 @@ carries more per GPU on TP8 (the weights read once a step for more sequences).
     python -m services.planner.study --prefill-profile shared/sim/profiles/roofline-llama3-70b-tp4-h100.json \
         --prefill-inflights 2,4,8 --max-workers 400 --out study.json
     python -m services.planner.study --configs-from study.json --out study2.json      (no searches: ≈ 10 min)
-    python -m services.planner.study --configs-from study.json --days 2 --variant 0.02,0.08:120:profile:season \
-        --out study3.json      (each row on the second of two days: the resized fleets warm)
+    python -m services.planner.study --configs-from study.json --days 3 --variant 0.02,0.08:120:profile:season \
+        --out study3.json      (each row on the third of three days: the resized fleets warm, and a whole
+                                day seen before each minute of it: on the second, a season's window
+                                reaches back before the trace for its first minutes)
 """
 
 from __future__ import annotations
