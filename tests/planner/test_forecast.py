@@ -160,9 +160,9 @@ def test_a_season_seen_foresees_the_trough_s_turn_at_today_s_level_and_a_day_unl
         seasons.append(forecast(days))
         surge = days[:-3] + [1.25 * r for r in days[-3:]]  # the last 3 minutes 25% above the swing
         assert forecast(surge) == forecast(surge, season=False)
-        # a swing 10 minutes behind the last day's, in its decline: the misses of the last day's shape
+        # a swing 5 minutes behind the last day's, in its decline: the misses of the last day's shape
         # trend (without that check, the season's forecast stood on all 8 seeds)
-        late = _counted([_daily(m + 0.5) for m in range(60)] + [_daily(m + 0.5 - 10) for m in range(60, 95)], 60, seed)
+        late = _counted([_daily(m + 0.5) for m in range(60)] + [_daily(m + 0.5 - 5) for m in range(60, 95)], 60, seed)
         assert forecast(late) == forecast(late, season=False)
     assert sum(lines) / 8 < 0.975 * ahead  # the line, bent, misses the rise (by 3.2% on these seeds)
     assert abs(sum(seasons) / 8 - ahead) < 0.005 * ahead and all(abs(f - ahead) < 0.02 * ahead for f in seasons)
