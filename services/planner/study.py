@@ -196,25 +196,25 @@ def run_study(profile_path: str, rate: float, duration_s: float, search_s: float
         # profile sizer prices decode on the decode pool's profile (prefill: by the mix's measured seconds)
         sized = ProfileSizer(pools[dp] if dp else profile, slo_ttft_ms / 1e3, slo_tpot_ms / 1e3, attainment / 100,
                              kv_path="network")
-        runs = [("planned, scaled over the hour", cap, headroom, startup_s, False, False, False),
-                ("planned, scaled over the hour, sized from the profile", sized, headroom, startup_s, False, False,
-                 False)]
+        runs = [("planned, scaled over the hour", cap, headroom, startup_s, ()),
+                ("planned, scaled over the hour, sized from the profile", sized, headroom, startup_s, ())]
         for room, startup, *how in variants:
-            by_profile, line, floored, season = "profile" in how, "line" in how, "schedule" in how, "season" in how
-            if floored and schedule is None:
+            if "schedule" in how and schedule is None:
                 raise ValueError("a variant with :schedule needs the plan's schedule (--schedule)")
-            runs.append((f"planned, scaled over the hour{', sized from the profile' if by_profile else ''} "
-                         f"(headroom {_rooms(room)}, startup {startup:g} s{', a line forecast' if line else ''}"
-                         f"{', the forecast plan’s schedule as a floor' if floored else ''}"
-                         f"{', the swing’s period known' if season else ''})",
-                         sized if by_profile else cap, room, startup, line, floored, season))
-        for name, sizer, room, startup, line, floored, season in runs:
+            runs.append((f"planned, scaled over the hour{', sized from the profile' if 'profile' in how else ''} "
+                         f"(headroom {_rooms(room)}, startup {startup:g} s"
+                         f"{', a line forecast' if 'line' in how else ''}"
+                         f"{', the forecast plan’s schedule as a floor' if 'schedule' in how else ''}"
+                         f"{', the swing’s period known' if 'season' in how else ''})",
+                         sized if "profile" in how else cap, room, startup, how))
+        for name, sizer, room, startup, how in runs:
             # `line`: no bend, and hysteresis in a decline too (as the forecaster was until 2026-12-06's afternoon)
-            old = {"curvature": False, "down_after_falling": ForecastScaler.down_after} if line else {}
+            old = {"curvature": False, "down_after_falling": ForecastScaler.down_after} if "line" in how else {}
+            floor = _schedule_scaler(schedule, interval_s).floor if "schedule" in how else None
             scalers[name] = ForecastScaler(sizer, interval_s=interval_s, startup_s=startup, headroom=room,
                                            current=[p.prefill, p.decode], max_workers=(max_workers, max_workers),
-                                           budget=max_workers, **old, season_s=duration_s if season else None,
-                                           floor=_schedule_scaler(schedule, interval_s).floor if floored else None)
+                                           budget=max_workers, **old, floor=floor,
+                                           season_s=duration_s if "season" in how else None)
             found[name] = p
             on[name] = on["planned"]
     if schedule is not None:

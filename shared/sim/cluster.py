@@ -702,14 +702,17 @@ class Cluster:
         summary = rec.summarize(span, self.profile.request_overhead_s, slo_ttft_ms, slo_tpot_ms, since_s)
         everyone = self.prefill_pool + self.decode_pool + self.retired
         by_role = {role: [w for w in everyone if w.role == role] for role in ("prefill", "decode", "colocated")}
+
+        def gone(w) -> float:  # when a worker left (or the run ended)
+            return end if w.retired_s is None else w.retired_s
+
         cost = {}
         for name, pool in by_role.items():
             if not pool:
                 continue
             busy = sum(w.busy_s for w in pool)
-            alive_s = sum(max(0.0, (end if w.retired_s is None else w.retired_s) - max(w.born_s, since_s))
-                          for w in pool)
-            lived = sum((end if w.retired_s is None else w.retired_s) - w.born_s for w in pool)  # the whole run
+            alive_s = sum(max(0.0, gone(w) - max(w.born_s, since_s)) for w in pool)
+            lived = sum(gone(w) - w.born_s for w in pool)  # the whole run
             cost[name] = {"workers": alive_s / span if span > 0 else float(len(pool)),
                           "max_workers": self._peak(name),
                           "busy_s": busy, "gpu_s": alive_s * pool[0].profile.limits.gpus_per_worker,
